@@ -1,0 +1,14 @@
+"""jaxtrace: gradients (and values) at intermediate values of JAX programs.
+
+Mark values with ``jaxtrace.tag(x, "name")``; ``jaxtrace.grad``,
+``value_and_grad`` and ``vjp`` return the gradients at those marks beside the
+ordinary gradients, under ``jax.jit``, ``jax.vmap``, ``lax.scan`` and friends.
+"""
+
+from ._ad import grad as grad
+from ._ad import value_and_grad as value_and_grad
+from ._ad import vjp as vjp
+from ._sites import TagError as TagError
+from ._tag import tag as tag
+
+__version__ = "0.1.0"

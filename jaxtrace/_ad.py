@@ -1,0 +1,167 @@
+"""Reverse mode: ``value_and_grad`` does the work; ``grad`` and ``vjp`` share it.
+
+The function is traced once; each selected tag ``y = tag(x)`` becomes
+``y = perturb(x, eps)`` with ``eps`` a new input held at zero, and
+``jax.value_and_grad`` / ``jax.vjp`` of the split program give the cotangent
+of ``eps``, which is the gradient at the tagged value.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+
+from . import _sites
+from ._perturb import perturb
+from ._sites import Site, TagSelection
+from ._split import Traced, trace
+
+
+def _perturb_site(site: Site, x, eps):
+    return x if eps is None else perturb(x, eps)
+
+
+def _normalize_argnums(argnums) -> tuple[int, ...]:
+    if isinstance(argnums, int):
+        return (argnums,)
+    argnums = tuple(argnums)
+    if not argnums or not all(isinstance(a, int) for a in argnums):
+        raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}.")
+    return argnums
+
+
+def _check_argnums(argnums: tuple[int, ...], args: tuple) -> None:
+    for a in argnums:
+        if not -len(args) <= a < len(args):
+            raise TypeError(
+                f"argnums={a} is out of range: the function was called with {len(args)} positional "
+                "argument(s)."
+            )
+
+
+class _Split:
+    """``fun`` traced at ``args`` with the arguments in ``argnums`` as its inputs."""
+
+    def __init__(self, fun: Callable, args: tuple, kwargs: dict, argnums: tuple[int, ...], tags: TagSelection):
+        _check_argnums(argnums, args)
+        argnums = tuple(a % len(args) for a in argnums)
+        self.diff_args = tuple(args[i] for i in argnums)
+        flat, self.diff_tree = jax.tree_util.tree_flatten(self.diff_args)
+
+        def flat_fun(*flat_args):
+            full = list(args)
+            for i, a in zip(argnums, jax.tree_util.tree_unflatten(self.diff_tree, flat_args)):
+                full[i] = a
+            return fun(*full, **kwargs)
+
+        self.traced: Traced = trace(flat_fun, flat)
+        self.sites = _sites.select(self.traced.program.sites, tags)
+        self.eps = {s.key: s.zeros() for s in self.sites if s.differentiable}
+
+    def __call__(self, diff_args: tuple, eps: dict, outputs=()):
+        flat = jax.tree_util.tree_leaves(diff_args)
+        return self.traced.run(flat, self.sites, _perturb_site, eps, outputs)
+
+    def tag_tree(self, cotangents: dict) -> dict:
+        return _sites.assemble(self.sites, cotangents)
+
+
+def value_and_grad(
+    fun: Callable, argnums: int | Sequence[int] = 0, *, has_aux: bool = False, tags: TagSelection = None
+) -> Callable:
+    """Like ``jax.value_and_grad``, and also the gradients at the tags in ``fun``.
+
+    Returns a function with ``fun``'s signature that returns
+    ``(value, (grads, tag_grads))``, or with ``has_aux``
+    ``((value, aux), (grads, tag_grads))``. ``grads`` is what ``jax.grad``
+    returns; ``tag_grads`` is ``{name: gradient at the tagged value}``, each
+    with the tagged value's structure, shape and dtype (plus leading axes for
+    loops and ``vmap``). ``tags`` selects tags: ``None`` (all), a name, a
+    sequence of names, or a predicate on names.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxtrace as jt
+        >>> def loss(w, x):
+        ...     h = jt.tag(x @ w, "h")
+        ...     return jnp.sum(jnp.tanh(h))
+        >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+        >>> value, (g_w, tag_grads) = jax.jit(jt.value_and_grad(loss))(w, x)
+        >>> tag_grads["h"].shape
+        (4, 2)
+    """
+    nums = _normalize_argnums(argnums)
+
+    @functools.wraps(fun)
+    def value_and_grad_fun(*args, **kwargs):
+        split = _Split(fun, args, kwargs, nums, tags)
+        value, (g_args, g_eps) = jax.value_and_grad(
+            lambda d, e: _main_output(split(d, e)), argnums=(0, 1), has_aux=has_aux
+        )(split.diff_args, split.eps)
+        grads = g_args[0] if isinstance(argnums, int) else g_args
+        return value, (grads, split.tag_tree(g_eps))
+
+    return value_and_grad_fun
+
+
+def _main_output(result):
+    out, _ = result
+    return out
+
+
+def grad(
+    fun: Callable, argnums: int | Sequence[int] = 0, *, has_aux: bool = False, tags: TagSelection = None
+) -> Callable:
+    """Like ``jax.grad``, and also the gradients at the tags in ``fun``.
+
+    Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
+    see ``value_and_grad``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> def loss(w):
+        ...     h = jt.tag(3.0 * w, "h")
+        ...     return h ** 2
+        >>> grads, tag_grads = jt.grad(loss)(1.0)
+        >>> float(grads), float(tag_grads["h"])
+        (18.0, 6.0)
+    """
+    value_and_grad_fun = value_and_grad(fun, argnums, has_aux=has_aux, tags=tags)
+
+    @functools.wraps(fun)
+    def grad_fun(*args, **kwargs):
+        value, grads = value_and_grad_fun(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return grad_fun
+
+
+def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection = None):
+    """Like ``jax.vjp``, and the pullback also gives the cotangents at the tags.
+
+    Returns ``(out, vjp_fn)`` or with ``has_aux`` ``(out, vjp_fn, aux)``, where
+    ``vjp_fn(ct)`` returns ``(primal_cts, tag_cts)``: ``primal_cts`` is the tuple
+    ``jax.vjp``'s pullback returns, ``tag_cts`` is ``{name: cotangent}``.
+    ``vjp_fn`` is linear and can be ``jax.vmap``-ed (rows of a Jacobian).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> def f(x):
+        ...     h = jt.tag(2.0 * x, "h")
+        ...     return jnp.sin(h)
+        >>> out, vjp_fn = jt.vjp(f, jnp.zeros(3))
+        >>> (x_ct,), tag_cts = vjp_fn(jnp.ones(3))
+        >>> tag_cts["h"].tolist(), x_ct.tolist()
+        ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
+    """
+    split = _Split(fun, primals, {}, tuple(range(len(primals))), tags)
+    results = jax.vjp(lambda d, e: _main_output(split(d, e)), split.diff_args, split.eps, has_aux=has_aux)
+    out, pullback = results[0], results[1]
+    vjp_fn = jax.tree_util.Partial(functools.partial(_split_cotangents, split.tag_tree), pullback)
+    return (out, vjp_fn, results[2]) if has_aux else (out, vjp_fn)
+
+
+def _split_cotangents(tag_tree, pullback, ct):
+    primal_cts, eps_cts = pullback(ct)
+    return primal_cts, tag_tree(eps_cts)

@@ -1,0 +1,179 @@
+"""Every JAX-version difference and every ``jax._src`` import, in one place.
+
+The rest of jaxtrace talks to JAX's internals only through the names defined
+here. When a JAX release moves something, this is the one file to change; when
+it changes a layout we do not know, we fail loudly here, naming the version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import jax
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+MIN_JAX = (0, 7, 2)
+
+Primitive = _core.Primitive
+Literal = _core.Literal
+DropVar = _core.DropVar
+Jaxpr = _core.Jaxpr
+ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
+Zero = _ad.Zero
+not_mapped = getattr(_batching, "not_mapped", None)  # None since JAX 0.4.x
+float0 = jax.dtypes.float0
+
+# Frames inside jaxtrace are not the user's code: keep them out of the source
+# lines JAX records for equations (so errors point at the user's line).
+_source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
+
+
+class UnknownLayoutError(NotImplementedError):
+    """JAX changed an internal layout that this version of jaxtrace does not know."""
+
+
+def unknown_layout(what: str) -> UnknownLayoutError:
+    return UnknownLayoutError(
+        f"jaxtrace does not know the layout of {what} in JAX {jax.__version__}. "
+        "Please report this at the jaxtrace issue tracker, with your JAX version; "
+        "meanwhile, pin a JAX release that jaxtrace supports (see its pyproject.toml)."
+    )
+
+
+# --- primitives -----------------------------------------------------------
+
+
+def define_primitive(name: str, *, impl, abstract_eval, jvp, batch, lowering) -> Primitive:
+    """A new primitive with all its rules, registered with JAX."""
+    prim = Primitive(name)
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    _ad.primitive_jvps[prim] = jvp
+    _batching.primitive_batchers[prim] = batch
+    _mlir.register_lowering(prim, lowering)
+    return prim
+
+
+def is_zero(tangent) -> bool:
+    return isinstance(tangent, Zero)
+
+
+def zero_tangent_like(aval) -> Any:
+    return Zero(aval.to_tangent_aval())
+
+
+def moveaxis_batched(x, src, dst):
+    return _batching.moveaxis(x, src, dst)
+
+
+# --- jaxprs ---------------------------------------------------------------
+
+
+def jaxpr_and_consts(jaxpr) -> tuple[Any, Sequence[Any]]:
+    """``(open jaxpr, consts)`` from a closed jaxpr or an open one."""
+    if ClosedJaxpr is not None and isinstance(jaxpr, ClosedJaxpr):
+        return jaxpr.jaxpr, jaxpr.consts
+    if isinstance(jaxpr, Jaxpr):
+        return jaxpr, list(getattr(jaxpr, "consts", ()) or ())
+    raise unknown_layout(f"a jaxpr of type {type(jaxpr).__name__}")
+
+
+def read(env: dict, atom) -> Any:
+    return atom.val if isinstance(atom, Literal) else env[atom]
+
+
+def write(env: dict, var, value) -> None:
+    if not isinstance(var, DropVar):
+        env[var] = value
+
+
+def bind_equation(eqn, invals: Sequence[Any]) -> list[Any]:
+    """Bind one equation as ``jax.core.eval_jaxpr`` does; always a list of outputs."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def source_line(eqn) -> str:
+    """The user's source line of an equation, e.g. ``model.py:12 (forward)``."""
+    try:
+        return _source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - best effort only
+        return "<unknown>"
+
+
+def sub_jaxprs(params: dict) -> list[Any]:
+    """All jaxprs held in an equation's params (for primitives we do not know)."""
+    found = []
+    for value in params.values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for item in items:
+            if isinstance(item, Jaxpr) or (ClosedJaxpr is not None and isinstance(item, ClosedJaxpr)):
+                found.append(item)
+    return found
+
+
+# --- higher-order primitives --------------------------------------------
+# Each reader returns what jaxtrace needs from an equation, whatever the
+# JAX version spells it as.
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParams:
+    body: Any  # closed or open jaxpr: consts, carry, xs -> carry, ys
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_params(eqn) -> ScanParams:
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:
+        num_consts, num_carry = p["num_consts"], p["num_carry"]
+    else:
+        raise unknown_layout("the `scan` primitive's params " + str(sorted(p)))
+    return ScanParams(p["jaxpr"], num_consts, num_carry, p["length"], p["reverse"], p.get("unroll", 1))
+
+
+def cond_branches(eqn) -> tuple:
+    try:
+        return tuple(eqn.params["branches"])
+    except KeyError:
+        raise unknown_layout("the `cond` primitive's params " + str(sorted(eqn.params))) from None
+
+
+def call_body(eqn) -> Any:
+    """The body of a call-like equation (jit, closed_call, core_call, remat)."""
+    for key in ("jaxpr", "call_jaxpr"):
+        if key in eqn.params:
+            return eqn.params[key]
+    raise unknown_layout(f"the `{eqn.primitive.name}` primitive's params " + str(sorted(eqn.params)))
+
+
+def remat_options(eqn) -> dict:
+    return dict(prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
+
+
+def while_bodies(eqn) -> list[Any]:
+    return [eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]]
+
+
+# Primitive names, by role. Several have been renamed across JAX releases.
+SCAN = ("scan",)
+COND = ("cond",)
+INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call")
+REMAT = ("remat2", "checkpoint", "remat")
+WHILE = ("while",)
+CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
+SHARD_MAP = ("shard_map",)

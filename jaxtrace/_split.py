@@ -1,0 +1,314 @@
+"""The split: trace a function once, find its tags, and re-run it with the
+selected tags opened up.
+
+``Program`` walks a traced jaxpr once and records every site (``_sites.Site``).
+``Splitter`` evaluates the jaxpr equation by equation, as
+``jax.core.eval_jaxpr`` does, except at selected tags: there it calls a
+*site function* (``x -> perturb(x, eps)`` for gradients, ``x -> replacement``
+for patching, ...) and can also hand the tagged value out. Equations that
+contain no selected tag are bound unchanged.
+
+Higher-order equations that contain a selected tag are rebuilt with public
+JAX APIs (``lax.scan``, ``lax.switch``, ``jax.checkpoint``), threading the
+per-site inputs and outputs through them: loops take inputs as ``xs`` and
+give outputs as ``ys`` (stacked per iteration), cond branches give zeros for
+sites they do not contain. Each primitive's rule lives in ``RULES``; a
+primitive without a rule that contains a tag makes that tag unsplittable,
+and asking for it is an error that names the primitive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _compat
+from ._sites import Site, merge_branches, stack_calls, with_problem
+from ._tag import is_tag
+
+SiteFn = Callable[[Site, Any, Any], Any]  # (site, value at the tag, input or None) -> new value
+_NO_SITES: dict = {}
+
+
+@dataclasses.dataclass
+class Level:
+    """The sites of one jaxpr: per equation, and merged over the equations."""
+
+    eqn_sites: list  # per equation: {key: Site} of the tags inside it
+    sites: dict  # {key: Site}, repeated calls stacked
+    calls: dict  # {key: number of equations that contain it}
+
+
+class Program:
+    """A traced function and every tag site in it."""
+
+    def __init__(self, jaxpr):
+        self.jaxpr, self.consts = _compat.jaxpr_and_consts(jaxpr)
+        self._levels: dict[int, tuple[Any, Level]] = {}
+        self.sites: dict = self.level(self.jaxpr).sites
+
+    def level(self, jaxpr) -> Level:
+        jaxpr, _ = _compat.jaxpr_and_consts(jaxpr)
+        entry = self._levels.get(id(jaxpr))
+        if entry is None:
+            entry = self._levels[id(jaxpr)] = (jaxpr, self._build_level(jaxpr))
+        return entry[1]
+
+    def _build_level(self, jaxpr) -> Level:
+        eqn_sites, calls = [], {}
+        for eqn in jaxpr.eqns:
+            inside = self._eqn_sites(eqn)
+            eqn_sites.append(inside)
+            for key, site in inside.items():
+                calls.setdefault(key, []).append(site)
+        sites = {key: found[0] if len(found) == 1 else stack_calls(found, "calls") for key, found in calls.items()}
+        return Level(eqn_sites, sites, {key: len(found) for key, found in calls.items()})
+
+    def _eqn_sites(self, eqn) -> dict:
+        if is_tag(eqn):
+            p = eqn.params
+            site = Site(
+                name=p["name"],
+                leaf=p["leaf"],
+                tree=p["tree"],
+                aval=eqn.invars[0].aval,
+                stack=(),
+                batch_axes=p["batch_axes"],
+                repeated=p["repeated"],
+                sources=(_compat.source_line(eqn),),
+            )
+            return {site.key: site}
+        rule = RULES.get(eqn.primitive.name)
+        if rule is not None:
+            return rule.sites(self, eqn)
+        bodies = _compat.sub_jaxprs(eqn.params)
+        if not bodies:
+            return _NO_SITES
+        return Unsupported(
+            f"jaxtrace does not know how to split the `{eqn.primitive.name}` primitive",
+            "Move the tag outside it, or open an issue so that a rule for it can be added.",
+        ).sites(self, eqn)
+
+
+class Splitter:
+    """Evaluates a ``Program`` with the selected sites split open."""
+
+    def __init__(self, program: Program, sites: Sequence[Site], site_fn: SiteFn, outputs: Sequence = ()):
+        self.program = program
+        self.sites = {site.key: site for site in sites}
+        self.site_fn = site_fn
+        self.output_keys = frozenset(outputs)
+
+    def __call__(self, args: Sequence[Any], inputs: dict) -> tuple[list, dict]:
+        """Outputs of the program, and ``{key: value}`` for the output sites."""
+        return self.eval_jaxpr(self.program.jaxpr, args, inputs, consts=self.program.consts)
+
+    def eval_jaxpr(self, jaxpr, args, inputs: dict, consts=None) -> tuple[list, dict]:
+        jaxpr, closed_consts = _compat.jaxpr_and_consts(jaxpr)
+        level = self.program.level(jaxpr)
+        env: dict = {}
+        for var, value in zip(jaxpr.constvars, closed_consts if consts is None else consts):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args):
+            env[var] = value
+        calls_seen: dict = {}
+        outputs: dict = {}
+        for eqn, inside in zip(jaxpr.eqns, level.eqn_sites):
+            invals = [_compat.read(env, v) for v in eqn.invars]
+            active = {k: s for k, s in inside.items() if k in self.sites} if inside else _NO_SITES
+            if not active:
+                outvals = _compat.bind_equation(eqn, invals)
+            else:
+                sub_inputs = {}
+                for key in active:
+                    call = calls_seen.get(key, 0)
+                    calls_seen[key] = call + 1
+                    if key in inputs:
+                        sub_inputs[key] = inputs[key][call] if level.calls[key] > 1 else inputs[key]
+                if is_tag(eqn):
+                    (key,) = active
+                    x = invals[0]
+                    outvals = [self.site_fn(self.sites[key], x, sub_inputs.get(key))]
+                    sub_outputs = {key: x} if key in self.output_keys else _NO_SITES
+                else:
+                    outvals, sub_outputs = RULES[eqn.primitive.name].evaluate(self, eqn, invals, sub_inputs, active)
+                for key, value in sub_outputs.items():
+                    outputs.setdefault(key, []).append(value)
+            for var, value in zip(eqn.outvars, outvals):
+                _compat.write(env, var, value)
+        stacked = {k: jnp.stack(vs) if level.calls[k] > 1 else vs[0] for k, vs in outputs.items()}
+        return [_compat.read(env, v) for v in jaxpr.outvars], stacked
+
+    def output_zeros(self, active: dict) -> dict:
+        """Zeros for the output sites among ``active`` (a cond branch that lacks them)."""
+        return {k: jnp.zeros(s.shape, s.dtype) for k, s in active.items() if k in self.output_keys}
+
+
+# --- rules, one per higher-order primitive ------------------------------------
+
+
+class Rule:
+    """How to find the sites inside one kind of equation, and how to split it."""
+
+    def sites(self, program: Program, eqn) -> dict:
+        raise NotImplementedError
+
+    def evaluate(self, splitter: Splitter, eqn, invals, inputs: dict, active: dict) -> tuple[list, dict]:
+        raise NotImplementedError
+
+
+class Scan(Rule):
+    """``lax.scan`` (and ``fori_loop`` with static bounds, ``lax.map``): stack per iteration."""
+
+    def sites(self, program, eqn):
+        p = _compat.scan_params(eqn)
+        inner = program.level(p.body).sites
+        return {k: dataclasses.replace(s, stack=(p.length, *s.stack)) for k, s in inner.items()}
+
+    def evaluate(self, splitter, eqn, invals, inputs, active):
+        p = _compat.scan_params(eqn)
+        consts = invals[: p.num_consts]
+        init = invals[p.num_consts : p.num_consts + p.num_carry]
+        xs = invals[p.num_consts + p.num_carry :]
+
+        def body(carry, step):
+            xs_t, inputs_t = step
+            outs, outputs_t = splitter.eval_jaxpr(p.body, [*consts, *carry, *xs_t], inputs_t)
+            return outs[: p.num_carry], (outs[p.num_carry :], outputs_t)
+
+        carry, (ys, outputs) = lax.scan(
+            body, list(init), (list(xs), inputs), length=p.length, reverse=p.reverse, unroll=p.unroll
+        )
+        return [*carry, *ys], outputs
+
+
+class Cond(Rule):
+    """``lax.cond`` / ``lax.switch``: one site per name; zeros from the branches not taken."""
+
+    def sites(self, program, eqn):
+        found: dict = {}
+        for branch in _compat.cond_branches(eqn):
+            for key, site in program.level(branch).sites.items():
+                found.setdefault(key, []).append(site)
+        where = _compat.source_line(eqn)
+        return {key: merge_branches(sites, where) for key, sites in found.items()}
+
+    def evaluate(self, splitter, eqn, invals, inputs, active):
+        index, *ops = invals
+
+        def make_branch(branch):
+            own = splitter.program.level(branch).sites
+
+            def run(ops, inputs):
+                outs, outputs = splitter.eval_jaxpr(branch, ops, {k: v for k, v in inputs.items() if k in own})
+                return outs, {**splitter.output_zeros(active), **outputs}
+
+            return run
+
+        branches = [make_branch(b) for b in _compat.cond_branches(eqn)]
+        outs, outputs = lax.switch(index, branches, ops, inputs)
+        return list(outs), outputs
+
+
+class Inline(Rule):
+    """Nested ``jax.jit`` and ``closed_call``: evaluated in place (XLA inlines them anyway)."""
+
+    def sites(self, program, eqn):
+        return program.level(_compat.call_body(eqn)).sites
+
+    def evaluate(self, splitter, eqn, invals, inputs, active):
+        return splitter.eval_jaxpr(_compat.call_body(eqn), invals, inputs)
+
+
+class Remat(Rule):
+    """``jax.checkpoint``: rebuilt with the same policy; site inputs and outputs pass through it."""
+
+    def sites(self, program, eqn):
+        return program.level(_compat.call_body(eqn)).sites
+
+    def evaluate(self, splitter, eqn, invals, inputs, active):
+        body = _compat.call_body(eqn)
+
+        def run(args, inputs):
+            return splitter.eval_jaxpr(body, args, inputs)
+
+        outs, outputs = jax.checkpoint(run, **_compat.remat_options(eqn))(list(invals), inputs)
+        return list(outs), outputs
+
+
+@dataclasses.dataclass
+class Unsupported(Rule):
+    """A construct that cannot be split: its tags carry a problem, raised if they are asked for."""
+
+    reason: str
+    fix: str
+
+    def sites(self, program, eqn):
+        where = _compat.source_line(eqn)
+        found: dict = {}
+        for body in _compat.sub_jaxprs(eqn.params):
+            for key, site in program.level(body).sites.items():
+                problem = (
+                    f"Cannot split the tag {site.name!r} (at {site.where}): it is inside "
+                    f"`{eqn.primitive.name}` at {where}, and {self.reason}. {self.fix}"
+                )
+                found[key] = with_problem(site, problem)
+        return found
+
+    def evaluate(self, splitter, eqn, invals, inputs, active):  # pragma: no cover - select() raises first
+        raise AssertionError("an unsplittable site was selected")
+
+
+_WHILE = Unsupported(
+    "a while_loop's trip count is not known when tracing, so JAX cannot differentiate it in reverse "
+    "mode and jaxtrace cannot stack its iterations",
+    "Use lax.scan, or lax.fori_loop with Python-int bounds (which becomes a scan), or move the tag "
+    "outside the loop.",
+)
+_CUSTOM = Unsupported(
+    "JAX differentiates a function with a custom derivative (jax.custom_jvp / jax.custom_vjp) with "
+    "its own rule, so no gradient exists at values inside it",
+    "Move the tag outside that function: tag its inputs or its output instead.",
+)
+_SHARD_MAP = Unsupported(
+    "jaxtrace does not split shard_map bodies yet",
+    "Move the tag outside the shard_map, onto its inputs or outputs.",
+)
+
+RULES: dict[str, Rule] = {}
+for names, rule in [
+    (_compat.SCAN, Scan()),
+    (_compat.COND, Cond()),
+    (_compat.INLINE_CALLS, Inline()),
+    (_compat.REMAT, Remat()),
+    (_compat.WHILE, _WHILE),
+    (_compat.CUSTOM_DERIVATIVES, _CUSTOM),
+    (_compat.SHARD_MAP, _SHARD_MAP),
+]:
+    for name in names:
+        RULES[name] = rule
+
+
+# --- tracing ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Traced:
+    """A function traced at some arguments: its program and output structure."""
+
+    program: Program
+    out_tree: Any
+
+    def run(self, flat_args, sites, site_fn: SiteFn, inputs: dict, outputs=()) -> tuple[Any, dict]:
+        outs, site_outputs = Splitter(self.program, sites, site_fn, outputs)(flat_args, inputs)
+        return jax.tree_util.tree_unflatten(self.out_tree, outs), site_outputs
+
+
+def trace(flat_fun: Callable, flat_args: Sequence[Any]) -> Traced:
+    """Trace ``flat_fun(*flat_args)`` once into a ``Program``."""
+    jaxpr, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat_args)
+    return Traced(Program(jaxpr), jax.tree_util.tree_structure(out_shape))

@@ -1,0 +1,126 @@
+"""``tag``: an identity that marks a value as a capture site.
+
+``tag`` binds the ``jaxtrace_tag`` primitive once per leaf. Outside a jaxtrace
+transform the primitive is free: it lowers to its operand, its JVP returns the
+tangent untagged, and ``jax.jit(jax.grad(f))`` of a tagged ``f`` compiles to the
+same program as the untagged one. Inside ``jaxtrace.grad`` and friends, the
+traced program is split at these marks (see ``_split.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat
+
+T = TypeVar("T")
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_line() -> str:
+    """``file:line`` of the first caller outside jaxtrace and JAX."""
+    frame = sys._getframe(1)
+    jax_dir = os.path.dirname(os.path.abspath(jax.__file__))
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith((_PACKAGE_DIR, jax_dir)):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _impl(x, **params):
+    return x
+
+
+def _abstract_eval(x, **params):
+    return x
+
+
+def _jvp(primals, tangents, **params):
+    (x,), (x_dot,) = primals, tangents
+    return tag_p.bind(x, **params), x_dot  # the tangent is not tagged
+
+
+def _batch(args, dims, *, batch_axes, **params):
+    (x,), (d,) = args, dims
+    if d is _compat.not_mapped:
+        return tag_p.bind(x, batch_axes=batch_axes, **params), d
+    # Keep the batch axis where it is (no transpose in the program); record
+    # where it is, outer vmap first, so results can be laid out batch-first.
+    shifted = tuple(a + (a >= d) for a in batch_axes)
+    return tag_p.bind(x, batch_axes=(d, *shifted), **params), d
+
+
+def _lowering(ctx, x, **params):
+    return [x]
+
+
+tag_p = _compat.define_primitive(
+    "jaxtrace_tag",
+    impl=_impl,
+    abstract_eval=_abstract_eval,
+    jvp=_jvp,
+    batch=_batch,
+    lowering=_lowering,
+)
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def tag(value: T, name: str, *, repeated: bool = False) -> T:
+    """Mark ``value`` (any pytree of arrays) as a capture site called ``name``.
+
+    ``tag`` returns ``value`` unchanged. ``jaxtrace.grad`` and friends return
+    the gradient at every tagged value in a dict keyed by ``name``, with the
+    value's pytree structure, shapes and dtypes.
+
+    Each name marks one site. A tag in a loop (``lax.scan``, ``fori_loop``,
+    ``lax.map``) is one site with a leading axis per loop. To call the same
+    tagged code several times on purpose (a shared block in a Python loop),
+    pass ``repeated=True``: the calls are stacked on a leading axis in call
+    order, as a scan would stack them.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> def loss(w, x):
+        ...     h = jt.tag(jnp.tanh(w * x), "h")
+        ...     return jnp.sum(h ** 2)
+        >>> grads, tag_grads = jt.grad(loss)(2.0, jnp.array([0.1, 0.2]))
+        >>> tag_grads["h"].shape
+        (2,)
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"jaxtrace.tag needs a string name, but got {name!r} of type {type(name).__name__} "
+            f"at {_user_line()}. Pass a name such as jt.tag(x, \"hidden\")."
+        )
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    if not leaves:
+        raise ValueError(
+            f"jaxtrace.tag(..., {name!r}) at {_user_line()} got a value with no arrays in it "
+            f"({value!r}). Tag an array or a pytree of arrays."
+        )
+    for leaf in leaves:
+        if not isinstance(leaf, _ARRAY_TYPES) or isinstance(leaf, (str, bytes)):
+            raise TypeError(
+                f"jaxtrace.tag(..., {name!r}) at {_user_line()} got a leaf of type "
+                f"{type(leaf).__name__}, which is not an array. Tag only arrays (or pytrees of "
+                "arrays); mark other leaves static, e.g. with equinox.partition."
+            )
+    tagged = [
+        tag_p.bind(jnp.asarray(leaf), name=name, leaf=i, tree=tree, repeated=bool(repeated), batch_axes=())
+        for i, leaf in enumerate(leaves)
+    ]
+    return jax.tree_util.tree_unflatten(tree, tagged)
+
+
+def is_tag(eqn: Any) -> bool:
+    return eqn.primitive is tag_p
