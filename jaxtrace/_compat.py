@@ -77,7 +77,11 @@ def moveaxis_batched(x, src, dst):
 
 
 def jaxpr_and_consts(jaxpr) -> tuple[Any, Sequence[Any]]:
-    """``(open jaxpr, consts)`` from a closed jaxpr or an open one."""
+    """``(jaxpr, consts)`` from a closed jaxpr or an open one.
+
+    Since JAX 0.11 ``ClosedJaxpr`` is an alias of ``Jaxpr``, which carries its
+    consts and whose ``.jaxpr`` is itself; the first branch covers both.
+    """
     if ClosedJaxpr is not None and isinstance(jaxpr, ClosedJaxpr):
         return jaxpr.jaxpr, jaxpr.consts
     if isinstance(jaxpr, Jaxpr):
@@ -97,9 +101,12 @@ def write(env: dict, var, value) -> None:
 def bind_equation(eqn, invals: Sequence[Any]) -> list[Any]:
     """Bind one equation as ``jax.core.eval_jaxpr`` does; always a list of outputs."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = ()
+    if isinstance(bind_params, tuple):  # JAX < 0.9.2: (subfuns, params)
+        subfuns, bind_params = bind_params
     name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
     with _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **bind_params)
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
@@ -139,8 +146,10 @@ class ScanParams:
 
 def scan_params(eqn) -> ScanParams:
     p = eqn.params
-    if "num_consts" in p and "num_carry" in p:
+    if "num_consts" in p and "num_carry" in p:  # JAX <= 0.10
         num_consts, num_carry = p["num_consts"], p["num_carry"]
+    elif "ft_in" in p:  # JAX 0.11: flat trees (consts, carry, xs) -> (carry, ys)
+        num_consts, num_carry, _ = map(len, p["ft_in"].unpack())
     else:
         raise unknown_layout("the `scan` primitive's params " + str(sorted(p)))
     return ScanParams(p["jaxpr"], num_consts, num_carry, p["length"], p["reverse"], p.get("unroll", 1))
@@ -172,7 +181,7 @@ def while_bodies(eqn) -> list[Any]:
 # Primitive names, by role. Several have been renamed across JAX releases.
 SCAN = ("scan",)
 COND = ("cond",)
-INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call")
+INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call", "call", "eval_jaxpr")
 REMAT = ("remat2", "checkpoint", "remat")
 WHILE = ("while",)
 CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
