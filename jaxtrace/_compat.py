@@ -170,6 +170,22 @@ def call_body(eqn) -> Any:
     raise unknown_layout(f"the `{eqn.primitive.name}` primitive's params " + str(sorted(eqn.params)))
 
 
+def call_shardings(eqn) -> tuple | None:
+    """``(in_shardings, out_shardings)`` of a ``jax.jit`` equation, or None if it has none.
+
+    Unspecified entries are None, which ``jax.jit`` reads as unspecified.
+    """
+    p = eqn.params
+    if "in_shardings" not in p and "out_shardings" not in p:
+        return None
+    spec = lambda s: s if isinstance(s, jax.sharding.Sharding) else None  # noqa: E731
+    ins = tuple(map(spec, p.get("in_shardings", ())))
+    outs = tuple(map(spec, p.get("out_shardings", ())))
+    if all(s is None for s in (*ins, *outs)):
+        return None
+    return ins or None, outs or None
+
+
 def remat_options(eqn) -> dict:
     return dict(prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
 

@@ -215,13 +215,31 @@ class Cond(Rule):
 
 
 class Inline(Rule):
-    """Nested ``jax.jit`` and ``closed_call``: evaluated in place (XLA inlines them anyway)."""
+    """Nested ``jax.jit`` and ``closed_call``: evaluated in place (XLA inlines them anyway).
+
+    A ``jax.jit`` with explicit in/out shardings is rebuilt with them, so they
+    still constrain its inputs and outputs; site inputs and outputs are left
+    unconstrained.
+    """
 
     def sites(self, program, eqn):
         return program.level(_compat.call_body(eqn)).sites
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
-        return splitter.eval_jaxpr(_compat.call_body(eqn), invals, inputs)
+        body = _compat.call_body(eqn)
+        shardings = _compat.call_shardings(eqn)
+        if shardings is None:
+            return splitter.eval_jaxpr(body, invals, inputs)
+
+        def run(args, inputs):
+            outs, outputs = splitter.eval_jaxpr(body, args, inputs)
+            return tuple(outs), outputs
+
+        in_shardings, out_shardings = shardings
+        outs, outputs = jax.jit(run, in_shardings=(in_shardings, None), out_shardings=(out_shardings, None))(
+            tuple(invals), inputs
+        )
+        return list(outs), outputs
 
 
 class Remat(Rule):
