@@ -69,6 +69,39 @@ def zero_tangent_like(aval) -> Any:
     return Zero(aval.to_tangent_aval())
 
 
+def zeros(shape: tuple, dtype, aval) -> Any:
+    """Zeros of ``shape`` (new leading axes, then ``aval``'s shape) laid out as ``aval`` is.
+
+    Under a mesh with explicit axes (``jax.sharding.AxisType.Explicit``) an
+    array's sharding is part of its type, and a cotangent has its primal's:
+    zeros of the tagged value's sharding give gradients sharded as the value
+    is (plain zeros would be replicated, and so would the gradients).
+    """
+    spec = _explicit_spec(aval)
+    if spec is None:
+        return jax.numpy.zeros(shape, dtype)
+    lead = (None,) * (len(shape) - len(spec))
+    return jax.numpy.zeros(shape, dtype, out_sharding=jax.sharding.PartitionSpec(*lead, *spec))
+
+
+def _explicit_spec(aval) -> tuple | None:
+    """``aval``'s partition spec over the current mesh's explicit axes, or None if it has none."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if mesh.empty or spec is None:
+        return None
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+
+    def keep(entry):
+        names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in explicit)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    kept = tuple(map(keep, spec))
+    if all(e is None for e in kept):
+        return None
+    return kept + (None,) * (len(aval.shape) - len(kept))
+
+
 def moveaxis_batched(x, src, dst):
     return _batching.moveaxis(x, src, dst)
 

@@ -79,7 +79,7 @@ class Site:
         return shape if perm is None else tuple(shape[p] for p in perm)
 
     def zeros(self):
-        return jnp.zeros(self.shape, self.dtype)
+        return _compat.zeros(self.shape, self.dtype, self.aval)
 
     def float0_zeros(self):
         return np.zeros(self.user_shape(), dtype=_compat.float0)
