@@ -223,6 +223,57 @@ def remat_options(eqn) -> dict:
     return dict(prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardMapParams:
+    body: Any  # the per-shard jaxpr
+    mesh: Any  # Mesh or AbstractMesh
+    in_specs: tuple
+    out_specs: tuple
+    axes: tuple  # the mesh axes the body is manual over, in mesh order
+    check_vma: bool
+
+    def varying_axes(self, aval) -> frozenset:
+        """The axes among ``axes`` over which a value of the body can differ between shards.
+
+        Without ``check_vma`` JAX does not track this, and every value may differ.
+        """
+        if not self.check_vma:
+            return frozenset(self.axes)
+        mat = getattr(aval, "mat", None)  # JAX 0.10: a ManualAxisType
+        vma = mat.varying if mat is not None else getattr(aval, "vma", None)  # JAX 0.7: a frozenset
+        if vma is None:
+            raise unknown_layout("a shard_map body value's varying axes (`aval.vma`)")
+        return frozenset(vma) & frozenset(self.axes)
+
+
+def shard_map_params(eqn) -> ShardMapParams:
+    p = eqn.params
+    try:
+        mesh, body, in_specs, out_specs = p["mesh"], p["jaxpr"], p["in_specs"], p["out_specs"]
+        check_vma = p["check_vma"] if "check_vma" in p else p["check_rep"]
+    except KeyError:
+        raise unknown_layout("the `shard_map` primitive's params " + str(sorted(p))) from None
+    if "newly_manual_axes" in p:  # JAX 0.10
+        manual = p["newly_manual_axes"]
+    elif "manual_axes" in p:  # JAX 0.7.2
+        manual = p["manual_axes"]
+    elif "auto" in p:  # older: the complement
+        manual = frozenset(mesh.axis_names) - frozenset(p["auto"])
+    else:
+        raise unknown_layout("the `shard_map` primitive's params " + str(sorted(p)))
+    axes = tuple(a for a in mesh.axis_names if a in manual)
+    return ShardMapParams(body, mesh, tuple(in_specs), tuple(out_specs), axes, bool(check_vma))
+
+
+def shard_map(f, *, mesh, in_specs, out_specs, axis_names, check_vma):
+    """The public ``jax.shard_map`` (public since JAX 0.7, our oldest)."""
+    if not hasattr(jax, "shard_map"):  # pragma: no cover - JAX < 0.7
+        raise unknown_layout("`jax.shard_map` (missing)")
+    return jax.shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axis_names), check_vma=check_vma
+    )
+
+
 def while_bodies(eqn) -> list[Any]:
     return [eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]]
 

@@ -9,7 +9,7 @@ for patching, ...) and can also hand the tagged value out. Equations that
 contain no selected tag are bound unchanged.
 
 Higher-order equations that contain a selected tag are rebuilt with public
-JAX APIs (``lax.scan``, ``lax.switch``, ``jax.checkpoint``), threading the
+JAX APIs (``lax.scan``, ``lax.switch``, ``jax.checkpoint``, ``jax.shard_map``), threading the
 per-site inputs and outputs through them: loops take inputs as ``xs`` and
 give outputs as ``ys`` (stacked per iteration), cond branches give zeros for
 sites they do not contain. Each primitive's rule lives in ``RULES``; a
@@ -258,6 +258,52 @@ class Remat(Rule):
         return list(outs), outputs
 
 
+class ShardMap(Rule):
+    """``jax.shard_map``: one leading axis per manual mesh axis, in mesh order.
+
+    Entry ``[i, j, ...]`` of a tag's result belongs to the shard at mesh
+    position ``(i, j, ...)``: the result is the global array whose block on
+    each shard is that shard's value, laid out with ``P(*manual axes)`` on the
+    new leading axes. Under ``check_vma=True`` a value that is the same on
+    every shard along a mesh axis (invariant, e.g. computed from replicated
+    inputs) is one value: its entries along that axis all hold the gradient at
+    that value (the sum of every shard's contribution), as JAX's own gradient
+    of a replicated input does. Without ``check_vma`` JAX tracks no such thing
+    and each shard's copy is its own value.
+    """
+
+    def sites(self, program, eqn):
+        p = _compat.shard_map_params(eqn)
+        lead = tuple(p.mesh.shape[a] for a in p.axes)
+        inner = program.level(p.body).sites
+        return {k: dataclasses.replace(s, stack=(*lead, *s.stack)) for k, s in inner.items()}
+
+    def evaluate(self, splitter, eqn, invals, inputs, active):
+        p = _compat.shard_map_params(eqn)
+        n = len(p.axes)
+        specs, global_inputs = {}, {}
+        for key, value in inputs.items():
+            varying = p.varying_axes(splitter.sites[key].aval)
+            # An invariant value's copies are one value: they share one input.
+            summed = tuple(i for i, a in enumerate(p.axes) if a not in varying)
+            global_inputs[key] = jnp.sum(value, axis=summed, keepdims=True) if summed else value
+            specs[key] = jax.sharding.PartitionSpec(*(a if a in varying else None for a in p.axes))
+
+        def run(args, inputs):
+            outs, outputs = splitter.eval_jaxpr(p.body, args, {k: v.reshape(v.shape[n:]) for k, v in inputs.items()})
+            return tuple(outs), {k: v.reshape((1,) * n + v.shape) for k, v in outputs.items()}
+
+        outs, outputs = _compat.shard_map(
+            run,
+            mesh=p.mesh,
+            in_specs=(p.in_specs, specs),
+            out_specs=(p.out_specs, jax.sharding.PartitionSpec(*p.axes)),
+            axis_names=p.axes,
+            check_vma=p.check_vma,
+        )(tuple(invals), global_inputs)
+        return list(outs), outputs
+
+
 @dataclasses.dataclass
 class Unsupported(Rule):
     """A construct that cannot be split: its tags carry a problem, raised if they are asked for."""
@@ -292,10 +338,6 @@ _CUSTOM = Unsupported(
     "its own rule, so no gradient exists at values inside it",
     "Move the tag outside that function: tag its inputs or its output instead.",
 )
-_SHARD_MAP = Unsupported(
-    "jaxtrace does not split shard_map bodies yet",
-    "Move the tag outside the shard_map, onto its inputs or outputs.",
-)
 
 RULES: dict[str, Rule] = {}
 for names, rule in [
@@ -305,7 +347,7 @@ for names, rule in [
     (_compat.REMAT, Remat()),
     (_compat.WHILE, _WHILE),
     (_compat.CUSTOM_DERIVATIVES, _CUSTOM),
-    (_compat.SHARD_MAP, _SHARD_MAP),
+    (_compat.SHARD_MAP, ShardMap()),
 ]:
     for name in names:
         RULES[name] = rule
