@@ -1,0 +1,316 @@
+"""Checks on 8 simulated CPU devices, run by ``test_multidevice.py`` in a subprocess.
+
+JAX fixes its device count when it starts, so these run in their own process
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` while the rest of
+the suite keeps one device. Run by hand with
+``PYTHONPATH=. python tests/multidevice_checks.py [check ...]``; it prints one
+JSON object ``{check: "ok" | traceback}`` on its last line.
+
+Oracles: the same function written with explicit ``+ eps`` arguments and
+differentiated with plain ``jax.grad`` on one device, or a closed form.
+Shardings: a tag gradient is sharded as JAX shards a plain output of the
+tagged value; a leaf gradient as ``jax.grad``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxtrace as jt  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def close(a, b, what=""):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-12, atol=1e-12, err_msg=what)
+
+
+def same_sharding(got, want, what):
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim), f"{what}: {got.sharding} != {want.sharding}"
+
+
+def mesh2d(mode=AxisType.Auto):
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(mode, mode))
+
+
+def put(tree, mesh, specs):
+    return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def on_one_device(tree):
+    return jax.device_put(tree, jax.devices()[0])
+
+
+RNG = np.random.default_rng(0)
+PARAMS = {"w1": RNG.normal(size=(3, 4)), "b1": RNG.normal(size=(4,)), "w2": RNG.normal(size=(4, 2))}
+X, Y = RNG.normal(size=(16, 3)), RNG.normal(size=(16, 2))
+
+
+# --- jit with NamedSharding ----------------------------------------------------
+
+
+def mlp_loss(params, x, y, mark, constrain):
+    h = mark(x @ params["w1"] + params["b1"], "h")
+    h = constrain(h)
+    out = mark(jnp.tanh(h) @ params["w2"], "out")
+    return jnp.mean((out - y) ** 2)
+
+
+def eps_oracle(loss, params, x, y, shapes):
+    """Leaf and tag gradients of ``loss`` written with explicit ``+ eps``, on one device."""
+    eps = {k: jnp.zeros(s) for k, s in shapes.items()}
+    marked = lambda p, e, x, y: loss(p, x, y, lambda v, n: v + e[n], lambda v: v)  # noqa: E731
+    return jax.jit(jax.grad(marked, argnums=(0, 1)))(*on_one_device((params, eps, x, y)))
+
+
+@check
+def data_parallel_step():
+    """A jitted SGD step, batch sharded over all 8 devices, params donated, a sharding constraint inside."""
+    mesh = mesh2d()
+    batch = NamedSharding(mesh, P(("data", "model")))
+    constrain = lambda h: lax.with_sharding_constraint(h, batch)  # noqa: E731
+    loss = lambda p, x, y: mlp_loss(p, x, y, jt.tag, constrain)  # noqa: E731
+
+    def step(params, x, y):
+        value, (grads, tag_grads) = jt.value_and_grad(loss)(params, x, y)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value, tag_grads
+
+    want_grads, want_tags = eps_oracle(mlp_loss, PARAMS, X, Y, {"h": (16, 4), "out": (16, 2)})
+    params = put(PARAMS, mesh, {"w1": P(), "b1": P(), "w2": P()})
+    x, y = put((X, Y), mesh, (P(("data", "model")),) * 2)
+    plain_grads = jax.jit(jax.grad(loss))(params, x, y)
+    plain_h = jax.jit(lambda p, x: constrain(x @ p["w1"] + p["b1"]))(params, x)
+    plain_out = jax.jit(lambda p, x: jnp.tanh(constrain(x @ p["w1"] + p["b1"])) @ p["w2"])(params, x)
+
+    new_params, value, tag_grads = jax.jit(step, donate_argnums=0)(params, x, y)
+    assert all(p.is_deleted() for p in jax.tree_util.tree_leaves(params)), "the donated params were not donated"
+    close(tag_grads, want_tags, "tag gradients")
+    close(new_params, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, PARAMS, want_grads), "updated params")
+    same_sharding(tag_grads["h"], plain_h, "h")
+    same_sharding(tag_grads["out"], plain_out, "out")
+    for k in PARAMS:
+        same_sharding(new_params[k], plain_grads[k], k)
+
+
+def model_parallel(mode):
+    """A Megatron-style layer: w1 split by columns and w2 by rows over 'model', the batch over 'data'."""
+    mesh = mesh2d(mode)
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
+
+    def loss(params, x, y, mark, constrain):
+        h = mark(x @ params["w1"] + params["b1"], "h")
+        a = jnp.tanh(h)
+        out = constrain(a, params["w2"])
+        out = mark(out, "out")
+        return jnp.sum((out - y) ** 2)
+
+    def matmul_explicit(a, w):  # contracting over a sharded axis needs an output sharding
+        return jnp.matmul(a, w, out_sharding=P("data", None))
+
+    matmul = matmul_explicit if mode == AxisType.Explicit else jnp.matmul
+    tagged = lambda p, x, y: loss(p, x, y, jt.tag, matmul)  # noqa: E731
+    want_grads, want_tags = eps_oracle(
+        lambda p, x, y, mark, _: loss(p, x, y, mark, jnp.matmul), PARAMS, X, Y, {"h": (16, 4), "out": (16, 2)}
+    )
+    params = put(PARAMS, mesh, specs)
+    x, y = put((X, Y), mesh, (P("data"), P("data")))
+    with jax.set_mesh(mesh):
+        for wrap in (jax.jit, lambda f: f):
+            grads, tag_grads = wrap(jt.grad(tagged))(params, x, y)
+            close(grads, want_grads, "leaf gradients")
+            close(tag_grads, want_tags, "tag gradients")
+        plain_grads = jax.jit(jax.grad(tagged))(params, x, y)
+        plain_h = jax.jit(lambda p, x: x @ p["w1"] + p["b1"])(params, x)
+        plain_out = jax.jit(lambda p, x: matmul(jnp.tanh(x @ p["w1"] + p["b1"]), p["w2"]))(params, x)
+    same_sharding(tag_grads["h"], plain_h, "h")
+    same_sharding(tag_grads["out"], plain_out, "out")
+    for k in PARAMS:
+        same_sharding(grads[k], plain_grads[k], k)
+
+
+@check
+def model_parallel_auto():
+    model_parallel(AxisType.Auto)
+
+
+@check
+def model_parallel_explicit():
+    model_parallel(AxisType.Explicit)
+
+
+@check
+def nested_jit_keeps_shardings():
+    """A nested jax.jit with in/out shardings around a tag keeps them when split."""
+    for mode in (AxisType.Auto, AxisType.Explicit):
+        mesh = mesh2d(mode)
+        inner = jax.jit(
+            lambda x, w: jnp.tanh(jt.tag(x @ w, "h")),
+            in_shardings=(NamedSharding(mesh, P("data")), NamedSharding(mesh, P(None, "model"))),
+            out_shardings=NamedSharding(mesh, P("data", "model")),
+        )
+        reshard = lax.with_sharding_constraint if mode == AxisType.Auto else jax.sharding.reshard
+
+        def loss(w, x):
+            a = reshard(inner(x, w), NamedSharding(mesh, P("data", None)))
+            return jnp.sum(jt.tag(a, "a") ** 2)
+
+        w, x = put((PARAMS["w1"], X), mesh, (P(None, "model"), P("data")))
+        grads, tag_grads = jax.jit(jt.grad(loss))(w, x)
+        plain = jax.jit(jax.grad(loss))(w, x)
+        same_sharding(grads, plain, f"{mode}: w")
+        same_sharding(tag_grads["h"], jax.jit(lambda w, x: x @ w)(w, x), f"{mode}: h")
+        a = np.tanh(X @ PARAMS["w1"])
+        close(tag_grads["a"], 2 * a, "a")
+        close(tag_grads["h"], 2 * a * (1 - a**2), "h")
+        close(grads, plain, "w")
+
+
+# --- shard_map -------------------------------------------------------------------
+# A tag inside a shard_map body gets one leading axis per manual mesh axis:
+# entry [i, j] is the gradient at the value on the shard at mesh position (i, j).
+
+
+def smap(body, mesh, in_specs, out_specs, check_vma, **kw):
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, **kw)
+
+
+def blocks(a, rows, cols):
+    """The (rows, cols) grid of blocks of a 2-D array, as (rows, cols, block_rows, block_cols)."""
+    n, m = a.shape
+    return a.reshape(rows, n // rows, cols, m // cols).transpose(0, 2, 1, 3)
+
+
+@check
+def shard_map_varying_values():
+    """Both mesh axes manual: x split by rows, w by columns; tags on per-shard values, in a scan too."""
+    mesh = mesh2d()
+    W = PARAMS["w1"]
+
+    def tagged_body(x, w):
+        def step(c, t):
+            return c, jt.tag(jnp.sin(t * w), "s")
+
+        _, s = lax.scan(step, 0.0, jnp.arange(3.0))
+        h = jt.tag(jnp.tanh(x @ w) + s.sum((0, 1)), "h")
+        return lax.psum(jnp.sum(h**2), ("data", "model"))
+
+    def eps_body(x, w, eps):  # the same, with explicit perturbations, one block per shard
+        e_s, e_h = (eps[n].reshape(eps[n].shape[2:]) for n in ("s", "h"))
+
+        def step(c, t_e):
+            t, e = t_e
+            return c, jnp.sin(t * w) + e
+
+        _, s = lax.scan(step, 0.0, (jnp.arange(3.0), e_s))
+        h = jnp.tanh(x @ w) + s.sum((0, 1)) + e_h
+        return lax.psum(jnp.sum(h**2), ("data", "model"))
+
+    in_specs = (P("data"), P(None, "model"))
+    eps_specs = {"h": P("data", "model"), "s": P("data", "model")}
+    eps = {"h": jnp.zeros((4, 2, 4, 2)), "s": jnp.zeros((4, 2, 3, 3, 2))}
+    for check_vma in (True, False):
+        tagged = lambda w, x: smap(tagged_body, mesh, in_specs, P(), check_vma)(x, w)  # noqa: E731
+        with_eps = lambda w, x, e: smap(eps_body, mesh, (*in_specs, eps_specs), P(), check_vma)(x, w, e)  # noqa: E731
+        want_w, want_tags = jax.jit(jax.grad(with_eps, argnums=(0, 2)))(W, X, eps)
+        if check_vma:  # sin(t * w) is the same on every 'data' shard: one value, its total gradient
+            want_tags["s"] = jnp.broadcast_to(want_tags["s"].sum(0, keepdims=True), eps["s"].shape)
+        for wrap in (jax.jit, lambda f: f):
+            grads, tag_grads = wrap(jt.grad(tagged))(W, X)
+            close(grads, want_w, f"check_vma={check_vma}: w")
+            close(tag_grads, want_tags, f"check_vma={check_vma}: tags")
+        # and a closed form for h: the global 2 * h, cut into the mesh's blocks
+        h_global = np.tanh(X @ W) + sum(np.sin(t * W) for t in range(3)).sum(0)
+        close(tag_grads["h"], blocks(2 * h_global, 4, 2), "h closed form")
+        assert tag_grads["h"].sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4)
+
+
+@check
+def shard_map_replicated_value():
+    """A value computed from replicated inputs: one value under check_vma, a copy per shard without."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+    W = PARAMS["w1"]
+
+    def rest(x, v):
+        return lax.psum(jnp.sum(jnp.tanh(x @ v) ** 2), "data")
+
+    def tagged_body(x, w):
+        return rest(x, jt.tag(jnp.sin(w), "v"))
+
+    def eps_body(x, w, e):
+        return rest(x, jnp.sin(w) + e[0])
+
+    # the gradient at the one value sin(w): pass it in as a replicated input
+    total = jax.grad(lambda v: smap(rest, mesh, (P("data"), P()), P(), True)(X, v))(np.sin(W))
+    for check_vma in (True, False):
+        tagged = lambda w, x: smap(tagged_body, mesh, (P("data"), P()), P(), check_vma)(x, w)  # noqa: E731
+        for wrap in (jax.jit, lambda f: f):
+            grads, tag_grads = wrap(jt.grad(tagged))(W, X)
+            assert tag_grads["v"].shape == (4, 3, 4)
+            close(grads, jax.grad(tagged)(W, X), "w")
+            if check_vma:  # every entry holds the gradient at the one value
+                close(tag_grads["v"], np.broadcast_to(total, (4, 3, 4)), "v: each entry")
+            else:  # each shard's copy is its own value; the copies' gradients sum to the total
+                with_eps = lambda e: smap(eps_body, mesh, (P("data"), P(), P("data")), P(), False)(X, W, e)  # noqa: E731
+                close(tag_grads["v"], jax.grad(with_eps)(jnp.zeros((4, 3, 4))), "v: per shard")
+                close(tag_grads["v"].sum(0), total, "v: sum over shards")
+
+
+@check
+def shard_map_partial_manual_vjp():
+    """shard_map manual over 'data' only ('model' stays automatic), through jt.vjp under jit."""
+    mesh = mesh2d()
+
+    def f(x, w):
+        def body(x, w):
+            return jt.tag(jnp.tanh(x @ w), "h") * 2.0
+
+        return smap(body, mesh, (P("data"), P()), P("data"), True, axis_names={"data"})(x, w)
+
+    W = PARAMS["w1"]
+    ct = np.cos(np.arange(16 * 4.0)).reshape(16, 4)
+
+    @jax.jit
+    def pull(x, w, ct):
+        out, vjp_fn = jt.vjp(f, x, w)
+        return out, vjp_fn(ct)
+
+    out, ((gx, gw), tag_cts) = pull(X, W, ct)
+    want_x, want_w = jax.vjp(f, X, W)[1](ct)
+    close((gx, gw), (want_x, want_w), "primal cotangents")
+    close(tag_cts["h"], (2 * ct).reshape(4, 4, 4), "h: one block of rows per 'data' shard")
+
+
+def main(names):
+    results = {}
+    for name in names or CHECKS:
+        try:
+            CHECKS[name]()
+            results[name] = "ok"
+        except Exception:  # report every check, not only the first failure
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    assert len(jax.devices()) == 8, jax.devices()
+    main(sys.argv[1:])
