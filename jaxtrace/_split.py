@@ -264,12 +264,13 @@ class ShardMap(Rule):
     Entry ``[i, j, ...]`` of a tag's result belongs to the shard at mesh
     position ``(i, j, ...)``: the result is the global array whose block on
     each shard is that shard's value, laid out with ``P(*manual axes)`` on the
-    new leading axes. Under ``check_vma=True`` a value that is the same on
-    every shard along a mesh axis (invariant, e.g. computed from replicated
-    inputs) is one value: its entries along that axis all hold the gradient at
-    that value (the sum of every shard's contribution), as JAX's own gradient
-    of a replicated input does. Without ``check_vma`` JAX tracks no such thing
-    and each shard's copy is its own value.
+    new leading axes. Summing a gradient over a mesh axis gives the gradient
+    at the value as a whole. Without ``check_vma`` each shard's copy of a value
+    is its own value, with its own gradient. Under ``check_vma=True`` a value
+    that is the same on every shard along a mesh axis (invariant, e.g.
+    computed from replicated inputs) is one value shared by its copies: the
+    gradient at it is split equally between its entries along that axis, and
+    a site input for it (a replacement value) is the mean of those entries.
     """
 
     def sites(self, program, eqn):
@@ -284,9 +285,10 @@ class ShardMap(Rule):
         specs, global_inputs = {}, {}
         for key, value in inputs.items():
             varying = p.varying_axes(splitter.sites[key].aval)
-            # An invariant value's copies are one value: they share one input.
-            summed = tuple(i for i, a in enumerate(p.axes) if a not in varying)
-            global_inputs[key] = jnp.sum(value, axis=summed, keepdims=True) if summed else value
+            # An invariant value's copies are one value: they share one input, the
+            # mean of theirs (right for an additive eps and for a replacement value).
+            shared = tuple(i for i, a in enumerate(p.axes) if a not in varying)
+            global_inputs[key] = jnp.mean(value, axis=shared, keepdims=True) if shared else value
             specs[key] = jax.sharding.PartitionSpec(*(a if a in varying else None for a in p.axes))
 
         def run(args, inputs):

@@ -232,8 +232,8 @@ def shard_map_varying_values():
         tagged = lambda w, x: smap(tagged_body, mesh, in_specs, P(), check_vma)(x, w)  # noqa: E731
         with_eps = lambda w, x, e: smap(eps_body, mesh, (*in_specs, eps_specs), P(), check_vma)(x, w, e)  # noqa: E731
         want_w, want_tags = jax.jit(jax.grad(with_eps, argnums=(0, 2)))(W, X, eps)
-        if check_vma:  # sin(t * w) is the same on every 'data' shard: one value, its total gradient
-            want_tags["s"] = jnp.broadcast_to(want_tags["s"].sum(0, keepdims=True), eps["s"].shape)
+        if check_vma:  # sin(t * w) is the same on every 'data' shard: one value, its gradient in equal shares
+            want_tags["s"] = jnp.broadcast_to(want_tags["s"].mean(0, keepdims=True), eps["s"].shape)
         for wrap in (jax.jit, lambda f: f):
             grads, tag_grads = wrap(jt.grad(tagged))(W, X)
             close(grads, want_w, f"check_vma={check_vma}: w")
@@ -246,7 +246,10 @@ def shard_map_varying_values():
 
 @check
 def shard_map_replicated_value():
-    """A value computed from replicated inputs: one value under check_vma, a copy per shard without."""
+    """A value computed from replicated inputs: one value under check_vma, a copy per shard without.
+
+    Either way the gradients along the mesh axis sum to the gradient at the value.
+    """
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
     W = PARAMS["w1"]
 
@@ -267,12 +270,12 @@ def shard_map_replicated_value():
             grads, tag_grads = wrap(jt.grad(tagged))(W, X)
             assert tag_grads["v"].shape == (4, 3, 4)
             close(grads, jax.grad(tagged)(W, X), "w")
-            if check_vma:  # every entry holds the gradient at the one value
-                close(tag_grads["v"], np.broadcast_to(total, (4, 3, 4)), "v: each entry")
-            else:  # each shard's copy is its own value; the copies' gradients sum to the total
+            close(tag_grads["v"].sum(0), total, "v: the sum over shards")
+            if check_vma:  # one value: its gradient in equal shares
+                close(tag_grads["v"], np.broadcast_to(total / 4, (4, 3, 4)), "v: each entry")
+            else:  # each shard's copy is its own value
                 with_eps = lambda e: smap(eps_body, mesh, (P("data"), P(), P("data")), P(), False)(X, W, e)  # noqa: E731
                 close(tag_grads["v"], jax.grad(with_eps)(jnp.zeros((4, 3, 4))), "v: per shard")
-                close(tag_grads["v"].sum(0), total, "v: sum over shards")
 
 
 @check
