@@ -8,6 +8,9 @@ ordinary gradients, under ``jax.jit``, ``jax.vmap``, ``lax.scan`` and friends.
 from ._ad import grad as grad
 from ._ad import value_and_grad as value_and_grad
 from ._ad import vjp as vjp
+from ._forward import capture as capture
+from ._forward import jvp as jvp
+from ._forward import patch as patch
 from ._sites import TagError as TagError
 from ._tag import tag as tag
 
