@@ -13,5 +13,6 @@ from ._forward import jvp as jvp
 from ._forward import patch as patch
 from ._sites import TagError as TagError
 from ._tag import tag as tag
+from . import stats as stats
 
 __version__ = "0.1.0"
