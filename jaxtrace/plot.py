@@ -102,7 +102,7 @@ def grad_flow(
     ax_lines.set_title(f"{stat} over training")
     ax_lines.grid(True, which="major", alpha=0.3)
     if len(names) <= 12:
-        ax_lines.legend(fontsize=8, loc="best", frameon=False)
+        ax_lines.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
     x = np.arange(len(names))
     last = len(steps) - 1
@@ -210,6 +210,7 @@ def overlay(
     ncols: int | None = None,
     alpha: float = 0.5,
     cmap: str = "jet",
+    vmax: float | None = None,
     size: float = 2.2,
     path: str | os.PathLike | None = None,
 ) -> Figure:
@@ -219,7 +220,8 @@ def overlay(
     ``(H, W, 3)`` (RGB, values in [0, 1] or any range: each is rescaled).
     ``heatmaps``: one per image, any resolution (stretched over the image with
     bilinear interpolation, so a coarse Grad-CAM map needs no resizing), each
-    scaled to its own [0, max]; ``None`` shows the image alone. Panels fill
+    drawn on the scale [0, its own max], or [0, ``vmax``] for all maps when
+    ``vmax`` is given (to compare maps); ``None`` shows the image alone. Panels fill
     rows of ``ncols`` (default: all in one row, at most 6).
 
     Example:
@@ -261,7 +263,7 @@ def overlay(
             heat = np.asarray(heatmaps[i], dtype=np.float64)
             if heat.ndim != 2:
                 raise ValueError(f"jaxtrace.plot.overlay: heatmap {i} has shape {heat.shape}; expected (h, w).")
-            top = np.nanmax(heat)
+            top = np.nanmax(heat) if vmax is None else vmax
             heat = np.clip(heat / top, 0, 1) if top > 0 else np.zeros_like(heat)
             ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
         if titles is not None:

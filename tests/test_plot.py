@@ -124,8 +124,9 @@ def test_overlay(tmp_path):
     assert len(fig.axes) == 4  # a 2 x 2 grid, the last panel empty
     assert [ax.get_title() for ax in fig.axes] == ["a", "b", "c", ""]
     assert [len(ax.images) for ax in fig.axes] == [2, 2, 1, 0]
-    heat = fig.axes[0].images[1].get_array()
-    np.testing.assert_allclose(heat, cam / cam.max())
+    np.testing.assert_allclose(fig.axes[0].images[1].get_array(), cam / cam.max())
+    shared = plot.overlay([grey, grey], [cam, cam / 2], vmax=cam.max())  # one scale for both maps
+    np.testing.assert_allclose(shared.axes[1].images[1].get_array(), cam / 2 / cam.max())
     assert fig.axes[0].images[1].get_extent() == [0, 16, 16, 0]  # the coarse map covers the image
     single = plot.overlay(grey, cam)
     assert len(single.axes) == 1
