@@ -145,7 +145,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a short run (CI)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "out")
     args = parser.parse_args(argv)
-    steps, n_eval = (600, 64) if args.quick else (1500, 256)
+    steps, n_eval = (300, 64) if args.quick else (1500, 256)
 
     start = time.perf_counter()
     print(f"training a {LAYERS}-layer, {HEADS}-head attention-only transformer on 'what followed the marker?'")

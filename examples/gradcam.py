@@ -126,12 +126,12 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a short run (CI)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "out")
     args = parser.parse_args(argv)
-    steps = 120 if args.quick else 500
+    steps, batch = (120, 64) if args.quick else (500, 64)
 
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     print(f"training a small CNN on generated shapes ({steps} steps)")
-    model = train(CNN(jax.random.PRNGKey(0)), rng, steps)
+    model = train(CNN(jax.random.PRNGKey(0)), rng, steps, batch)
     print(f"  trained in {time.perf_counter() - start:.1f} s")
 
     images, labels, masks = shapes(np.random.default_rng(1), 256)
