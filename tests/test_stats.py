@@ -2,6 +2,8 @@
 program's outputs, and the host-side History."""
 
 import doctest
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -237,6 +239,18 @@ def test_history_from_a_jitted_training_loop(problem):
         params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
     assert history.array("rnn.h", "norm").shape == (3, 6)
     np.testing.assert_allclose(history.array("rnn.h", "norm"), np.stack(expected), rtol=1e-12)
+
+
+def test_readme_statistics_example_runs():
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Gradient statistics") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md (Gradient statistics)", "exec"), namespace)
+    history = namespace["history"]
+    assert history.steps.tolist() == [0, 5, 10, 15]
+    assert history["layers.0"]["norm"].shape == (4,)
+    assert history.format(row=0).startswith("step 0  loss 0.01278  | norm: layers.0 0.00935")
 
 
 def test_docstring_examples():
