@@ -130,7 +130,7 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
 
     out = {}
     scale = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax, initial=0.0) for m, ax in zip(mags, axes_of)])
-    # jnp.max with initial= skips nan on some backends' reductions; propagate nan explicitly.
+    # Propagate nan explicitly rather than rely on how the backend's max reduction treats it.
     any_nan = functools.reduce(jnp.logical_or, [jnp.any(jnp.isnan(m), axis=ax) for m, ax in zip(mags, axes_of)])
     max_abs = jnp.where(any_nan, jnp.nan, scale).astype(dtype)
     if "norm" in stats or "mean_abs" in stats:
