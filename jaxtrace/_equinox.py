@@ -210,9 +210,11 @@ def _tagged_class(base: type) -> type:
         return _restore, (base, dict(self.__dict__))
 
     namespace = {
-        "__module__": base.__module__,
+        # Printed models look as before (equinox prints ``__name__``); the class
+        # itself says where it comes from: <class 'jaxtrace._equinox.Linear'>.
+        "__module__": __name__,
         "__qualname__": base.__qualname__,
-        "__doc__": base.__doc__,
+        "__doc__": f"{base.__qualname__} whose calls are tagged by jaxtrace.tag_modules.\n\n{base.__doc__ or ''}",
         "__annotations__": {_TAG_FIELD: _ModuleTag},
         _TAG_FIELD: eqx.field(static=True, repr=False, default=None),
         "_jaxtrace_base": base,
