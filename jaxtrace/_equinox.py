@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from typing import Any, Callable, Sequence, Union
 
 import equinox as eqx
@@ -178,7 +177,7 @@ def _tag_inputs(args: tuple, name: str) -> tuple:
 
 
 _TAG_FIELD = "_jaxtrace_tag"
-_SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+_SUBCLASSES: dict = {}  # base class -> its tagged subclass (classes live for the session anyway)
 
 
 def _base_class(cls: type) -> type:
