@@ -225,6 +225,9 @@ def compare(
     scale ``max |a - b| / max |b|``. A name passes when the shapes agree and
     ``max |a - b| <= atol + rtol * max |b|`` (NaN never passes). Names found on
     one side only are listed, and with ``strict=True`` make ``.ok`` false.
+    Rows follow ``b``'s order (the reference: for ``jaxtrace.torch`` results,
+    the order in which the modules ran; ``jax.jit`` returns dicts with sorted
+    keys).
 
     ``layout`` converts ``b``'s value into ``a``'s layout before comparing: a
     dict from names (or ``fnmatch`` patterns such as ``"conv*"``) to a function
@@ -249,11 +252,11 @@ def compare(
         raise TypeError(f"compare: labels must be a pair of strings such as ('jax', 'torch'), got {labels!r}.")
     flat_a, flat_b = named_leaves(a), named_leaves(b)
     rows = []
-    for name, value_a in flat_a.items():
-        if name not in flat_b:
+    for name, value_b in flat_b.items():
+        if name not in flat_a:
             continue
-        x = _to_numpy(value_a)
-        y = _to_numpy(flat_b[name])
+        x = _to_numpy(flat_a[name])
+        y = _to_numpy(value_b)
         spec = _layout_for(name, layout)
         if spec is not None:
             try:
