@@ -728,3 +728,15 @@ def test_load_weights_errors_name_the_parameter():
         jtt.load_weights(eqx.nn.Linear(2, 2, use_bias=False, key=_keys(1)[0]), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"hidden_size=4, bias=True in torch, but .*hidden_size=5"):
         jtt.load_weights(eqx.nn.GRUCell(3, 5, key=_keys(1)[0]), nn.GRUCell(3, 4))
+
+
+def test_readme_example_runs(capsys):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Checking against PyTorch", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out
+    assert "OK: 3/3 names match jax vs torch" in out and "OK: 4/4 names match" in out
