@@ -139,7 +139,8 @@ class Comparison:
         body = []
         for r in self.rows:
             shape = str(r.shape_a) if r.shape_a == r.shape_b else f"{r.shape_a} vs {r.shape_b}"
-            err = ("-", "-") if r.note == "shape" or r.note.startswith("layout") else (f"{r.max_abs:.2e}", f"{r.max_rel:.2e}")
+            no_error = r.note == "shape" or r.note.startswith("layout")
+            err = ("-", "-") if no_error else (f"{r.max_abs:.2e}", f"{r.max_rel:.2e}")
             status = "ok" if r.ok else (f"FAIL ({r.note})" if r.note else "FAIL")
             body.append((r.name, shape, *err, status))
         widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
