@@ -2,11 +2,14 @@
 
 Run:  python examples/train_step.py [--quick] [--out DIR]
 
-A deep tanh MLP (equinox) learns to tell three interleaved spirals apart (the
-data are generated, nothing is downloaded). Every layer's output is tagged;
-the jitted optax step returns, besides the new parameters, four numbers per
-layer computed inside the step by ``jaxtrace.stats`` (L2 norm, mean and max
-|gradient|, fraction non-finite) instead of the full activation gradients.
+A deep tanh MLP (an unmodified ``eqx.nn.MLP``) learns to tell three
+interleaved spirals apart (the data are generated, nothing is downloaded).
+``jaxtrace.tag_modules`` tags the output of each of its ``Linear`` layers
+(``layers.0`` ... ``layers.6``, as PyTorch would name them). The jitted optax
+step takes gradients with ``jaxtrace.filter_value_and_grad`` and returns,
+besides the new model, four numbers per layer computed inside the step by
+``jaxtrace.stats.summarize`` (L2 norm, mean and max |gradient|, fraction
+non-finite) instead of the full activation gradients.
 Every few steps they go into a ``jaxtrace.stats.History``, a progress line is
 printed, and at the end ``jaxtrace.plot.grad_flow`` draws them. At
 initialisation the first layer's activation gradient is tens of times smaller
@@ -38,39 +41,21 @@ def spirals(key, n, classes=3, noise=0.25):
     return x + noise * jax.random.normal(k3, x.shape) * r[:, None], label
 
 
-class Classifier(eqx.Module):
-    """An MLP whose ``Linear`` outputs are tagged ``layers.0``, ``layers.1``, ... (PyTorch-style paths)."""
-
-    layers: list
-
-    def __init__(self, key, width=32, depth=7, classes=3):
-        sizes = [2] + [width] * (depth - 1) + [classes]
-        keys = jax.random.split(key, depth)
-        self.layers = [eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)]
-
-    def __call__(self, x):
-        for i, layer in enumerate(self.layers):
-            x = jt.tag(layer(x), f"layers.{i}")
-            if i < len(self.layers) - 1:
-                x = jnp.tanh(x)
-        return x
-
-
-def loss_fn(params, static, x, y):
-    model = eqx.combine(params, static)
+def loss_fn(model, x, y):
     logits = jax.vmap(model)(x)  # the tags get a batch axis; the statistics reduce over it
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, jnp.mean(jnp.argmax(logits, -1) == y)
 
 
-def make_step(static, optimizer):
-    grad_stats = jt.stats.value_and_grad(loss_fn, has_aux=True)
+def make_step(optimizer):
+    grad_fn = jt.filter_value_and_grad(loss_fn, has_aux=True)
 
-    @jax.jit
-    def step(params, opt_state, x, y):
-        (loss, acc), (grads, tag_stats) = grad_stats(params, static, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, acc, tag_stats
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        (loss, acc), (grads, tag_grads) = grad_fn(model, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        # a few numbers per layer leave the step, not the (batch, width) activation gradients
+        return eqx.apply_updates(model, updates), opt_state, loss, acc, jt.stats.summarize(tag_grads)
 
     return step
 
@@ -88,16 +73,16 @@ def main(argv=None):
     steps, every, batch = (200, 20, 128) if args.quick else (3000, 50, 256)
 
     x_all, y_all = spirals(jax.random.PRNGKey(0), 4096)
-    model = Classifier(jax.random.PRNGKey(1))
-    params, static = eqx.partition(model, eqx.is_inexact_array)
+    mlp = eqx.nn.MLP(2, 3, width_size=32, depth=6, activation=jnp.tanh, key=jax.random.PRNGKey(1))
+    model = jt.tag_modules(mlp, where=lambda path, module: path.startswith("layers."))
     optimizer = optax.adam(3e-3)
-    opt_state = optimizer.init(params)
-    step = make_step(static, optimizer)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    step = make_step(optimizer)
 
     # What the step hands back per layer, versus what the full cotangents would be.
-    full = jax.eval_shape(jt.grad(loss_fn, has_aux=True), params, static, x_all[:batch], y_all[:batch])
+    full = eqx.filter_eval_shape(jt.filter_grad(loss_fn, has_aux=True), model, x_all[:batch], y_all[:batch])
     n_full = sum(a.size for a in jax.tree_util.tree_leaves(full[0][1]))
-    n_layers = len(model.layers)
+    n_layers = len(mlp.layers)
     print(f"{n_layers} tagged layers; the step returns {n_layers * len(jt.stats.STATS)} statistics "
           f"instead of {n_full:,} activation-gradient entries.")
 
@@ -106,7 +91,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     for i in range(1, steps + 1):
         idx = rng.integers(0, len(x_all), batch)
-        params, opt_state, loss, acc, tag_stats = step(params, opt_state, x_all[idx], y_all[idx])
+        model, opt_state, loss, acc, tag_stats = step(model, opt_state, x_all[idx], y_all[idx])
         if i == 1 or i % every == 0:
             history.append(i, tag_stats, loss=loss, acc=acc)
             first, last = history.array("layers.0")[-1], history.array(f"layers.{n_layers - 1}")[-1]
