@@ -279,6 +279,50 @@ def shard_map_replicated_value():
 
 
 @check
+def shard_map_forward_side():
+    """capture, jvp, patch and with_values through a shard_map, on a varying and an invariant value."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+    W = PARAMS["w1"]
+
+    def rest(x, v):
+        return lax.psum(jnp.sum(jnp.tanh(x @ v) ** 2), "data")
+
+    def f(w, x):
+        def body(x, w):
+            v = jt.tag(jnp.sin(w), "v")  # the same on every shard
+            h = jt.tag(x @ v, "h")  # a block of rows per shard
+            return lax.psum(jnp.sum(jnp.tanh(h) ** 2), "data")
+
+        return smap(body, mesh, (P("data"), P()), P(), True)(x, w)
+
+    def global_f(v, h):  # the same function of the tagged values, written globally
+        return jnp.sum(jnp.tanh(h) ** 2)
+
+    X_ = jnp.asarray(X)  # jax.jvp of a shard_map under jit fails on a NumPy primal (JAX 0.10.2)
+    v, h = np.sin(W), X @ np.sin(W)
+    per_shard = lambda a: np.broadcast_to(a, (4, *a.shape))  # noqa: E731
+    for wrap in (jax.jit, lambda f: f):
+        out, values = wrap(jt.capture(f))(W, X)
+        close(values["v"], per_shard(v), "capture v")
+        close(values["h"], h.reshape(4, 4, 4), "capture h")
+
+        dw = np.cos(np.arange(12.0)).reshape(3, 4)
+        _, out_dot, dots = wrap(lambda w, dw: jt.jvp(f, (w, X_), (dw, jnp.zeros_like(X_))))(W, dw)
+        close(dots["v"], per_shard(np.cos(W) * dw), "jvp v")
+        close(dots["h"], (X @ (np.cos(W) * dw)).reshape(4, 4, 4), "jvp h")
+        close(out_dot, jax.jvp(f, (W, X_), (dw, jnp.zeros_like(X_)))[1], "jvp out")
+
+        new_v, new_h = 0.5 * v, np.tanh(h)
+        close(wrap(jt.patch(f, {"v": per_shard(new_v)}))(W, X), global_f(new_v, X @ new_v), "patch v")
+        close(wrap(jt.patch(f, {"h": new_h.reshape(4, 4, 4)}))(W, X), global_f(v, new_h), "patch h")
+        close(wrap(jt.patch(f, {"v": lambda a: 2 * a}))(W, X), global_f(2 * v, X @ (2 * v)), "patch v with a function")
+
+        value, (grads, tag_grads), values = wrap(jt.value_and_grad(f, with_values=True))(W, X)
+        close(values["h"], h.reshape(4, 4, 4), "with_values h")
+        close(tag_grads["h"], jax.grad(global_f, argnums=1)(v, h).reshape(4, 4, 4), "grad h")
+
+
+@check
 def shard_map_partial_manual_vjp():
     """shard_map manual over 'data' only ('model' stays automatic), through jt.vjp under jit."""
     mesh = mesh2d()

@@ -24,6 +24,7 @@ CHECKS = [
     "nested_jit_keeps_shardings",
     "shard_map_varying_values",
     "shard_map_replicated_value",
+    "shard_map_forward_side",
     "shard_map_partial_manual_vjp",
 ]
 
