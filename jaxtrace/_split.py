@@ -145,7 +145,7 @@ class Splitter:
 
     def output_zeros(self, active: dict) -> dict:
         """Zeros for the output sites among ``active`` (a cond branch that lacks them)."""
-        return {k: jnp.zeros(s.shape, s.dtype) for k, s in active.items() if k in self.output_keys}
+        return {k: _compat.zeros(s.shape, s.dtype, s.aval) for k, s in active.items() if k in self.output_keys}
 
 
 # --- rules, one per higher-order primitive ------------------------------------
