@@ -159,6 +159,29 @@ def model_parallel_explicit():
 
 
 @check
+def explicit_mesh_cond():
+    """Explicit axes: a tag in one branch of a cond; the other branch's zeros carry the same sharding."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+    def f(x):
+        y = lax.cond(x.sum() > 0, lambda x: jt.tag(jnp.sin(x), "s"), lambda x: x * 2, x)
+        return jnp.sum(y**2)
+
+    xs = np.linspace(-1.0, 2.0, 16)
+    x = jax.device_put(xs, NamedSharding(mesh, P("data")))
+    with jax.set_mesh(mesh):
+        for wrap in (jax.jit, lambda f: f):
+            grads, tag_grads, values = wrap(jt.grad(f, with_values=True))(x)
+            _, captured = wrap(jt.capture(f))(x)
+            close(values["s"], np.sin(xs), "with_values")
+            close(captured["s"], np.sin(xs), "capture")
+            close(tag_grads["s"], 2 * np.sin(xs), "grad")
+            close(grads, 2 * np.sin(xs) * np.cos(xs), "leaf")
+            for got in (values["s"], captured["s"], tag_grads["s"]):
+                same_sharding(got, x, "s")
+
+
+@check
 def nested_jit_keeps_shardings():
     """A nested jax.jit with in/out shardings around a tag keeps them when split."""
     for mode in (AxisType.Auto, AxisType.Explicit):

@@ -21,6 +21,7 @@ CHECKS = [
     "data_parallel_step",
     "model_parallel_auto",
     "model_parallel_explicit",
+    "explicit_mesh_cond",
     "nested_jit_keeps_shardings",
     "shard_map_varying_values",
     "shard_map_replicated_value",
