@@ -52,13 +52,15 @@ D = 3  # the state is a vector of D numbers everywhere in a program
 #   ("unary", op)            elementwise sin / tanh / cos / x*tanh(x)
 #   ("param", op, i)         x * b[i] or x + b[i]   (b: a leaf)
 #   ("matmul", i)            W[i] @ x               (W: a leaf)
-#   ("reduce", op)           x + 0.3 * sum(x), x - logsumexp(x), x * mean(x)
+#   ("reduce", op)           x + 0.3 * sum(x), x - logsumexp(x), x * tanh(mean(x))
 #   ("tag", name)            a tag on the state
 #   ("tag2", name)           a tag on a pair (x, sin(x)[:2]); then x = first + 0.5 * sum(second)
 #   ("scan", length, reverse, body)  carry through `body` `length` times, plus 0.5 * a weighted mean of
 #                            the carries (weights 1..length, so the order of the iterations matters)
 #   ("cond", a, b)           lax.cond(sum(x) > 0, a, b)
-#   ("vmap", k, body)        body on k scaled copies of x, vmapped; then their sum
+#   ("vmap", k, body)        body on k scaled copies of x, vmapped; then their mean
+# The ops keep the state of moderate size, so that float64 rounding stays far
+# below the tolerances (a state of 1e5 would make sin(state) ill-conditioned).
 #   ("checkpoint", policy, body)
 #   ("jit", body)
 
@@ -71,7 +73,7 @@ UNARY = {
 REDUCE = {
     "sum": lambda x: x + 0.3 * jnp.sum(x),
     "lse": lambda x: x - jax.nn.logsumexp(x),
-    "mean": lambda x: x * jnp.mean(x),
+    "mean": lambda x: x * jnp.tanh(jnp.mean(x)),
 }
 POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_saveable, "nothing": jax.checkpoint_policies.nothing_saveable}
 N_PARAMS = 2
@@ -205,7 +207,7 @@ def run_nested(step, x, params, eps, mark, ctx):
         _, k, body = step
         copies = x[None, :] * (1.0 + 0.25 * jnp.arange(k))[:, None]
         out = jax.vmap(lambda x, e: run(body, x, params, e, mark, (*ctx, ("vmap", k))))(copies, own(eps, body))
-        return jnp.sum(out, axis=0)
+        return jnp.mean(out, axis=0)
     if kind == "checkpoint":
         _, policy, body = step
         fn = jax.checkpoint(lambda x, e: run(body, x, params, e, mark, ctx), policy=POLICIES[policy])
@@ -294,7 +296,7 @@ def check(program, params, x, jit):
     )(params, x, eps)
 
     assert sorted(tag_grads) == sorted(contexts), (sorted(tag_grads), sorted(contexts))
-    np.testing.assert_allclose(value, want_value, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(value, want_value, rtol=1e-10, atol=1e-12)  # XLA may fuse the two differently
     for name, (ctx, _) in contexts.items():
         want = documented_layout(ctx, want_eps[name])
         got = tag_grads[name]
