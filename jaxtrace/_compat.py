@@ -8,6 +8,7 @@ it changes a layout we do not know, we fail loudly here, naming the version.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from typing import Any, Sequence
 
@@ -50,15 +51,32 @@ def unknown_layout(what: str) -> UnknownLayoutError:
 # --- primitives -----------------------------------------------------------
 
 
-def define_primitive(name: str, *, impl, abstract_eval, jvp, batch, lowering) -> Primitive:
-    """A new primitive with all its rules, registered with JAX."""
+def define_primitive(name: str, *, impl, abstract_eval, jvp, batch, lowering, linearize=None) -> Primitive:
+    """A new primitive with all its rules, registered with JAX.
+
+    ``linearize(nonzeros, *primals, **params) -> (primal_out, nonzero_out,
+    residuals, linearized)`` with ``linearized(residuals, *tangents)``: a
+    direct rule for ``jax.linearize`` / ``jax.vjp``. Without one JAX traces the
+    JVP rule into a jaxpr and partially evaluates it at every bind, which costs
+    far more Python time than the primitive's work.
+    """
     prim = Primitive(name)
     prim.def_impl(impl)
     prim.def_abstract_eval(abstract_eval)
     _ad.primitive_jvps[prim] = jvp
+    if linearize is not None and hasattr(_ad, "primitive_linearizations"):
+        if _LINEARIZE_TAKES_IS_VJP:  # JAX >= 0.8: rule(is_vjp, nonzeros, *primals, **params)
+            _ad.primitive_linearizations[prim] = lambda _is_vjp, nzs, *primals, **params: linearize(
+                nzs, *primals, **params
+            )
+        else:
+            _ad.primitive_linearizations[prim] = linearize
     _batching.primitive_batchers[prim] = batch
     _mlir.register_lowering(prim, lowering)
     return prim
+
+
+_LINEARIZE_TAKES_IS_VJP = "_is_vjp" in inspect.signature(_ad.fallback_linearize_rule).parameters
 
 
 def is_zero(tangent) -> bool:
