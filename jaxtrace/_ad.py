@@ -23,6 +23,25 @@ def _perturb_site(site: Site, x, eps):
     return x if eps is None else perturb(x, eps)
 
 
+def _zero_inputs(sites) -> dict:
+    """``{key: zeros}`` for the differentiable sites, one array per shape and dtype.
+
+    ``perturb`` never reads its ``eps`` (only its tangent matters), so sites of
+    the same shape can share one zeros value: ``jax.vjp`` still gives each
+    input its own cotangent. One ``jnp.zeros`` per site was the largest
+    per-tag cost of tracing.
+    """
+    made: dict = {}
+    out = {}
+    for site in sites:
+        if site.differentiable:
+            kind = (site.shape, site.dtype)
+            if kind not in made:
+                made[kind] = site.zeros()
+            out[site.key] = made[kind]
+    return out
+
+
 def _normalize_argnums(argnums) -> tuple[int, ...]:
     if isinstance(argnums, int):
         return (argnums,)
@@ -58,7 +77,7 @@ class _Split:
 
         self.traced: Traced = trace(flat_fun, flat)
         self.sites = _sites.select(self.traced.program.sites, tags)
-        self.eps = {s.key: s.zeros() for s in self.sites if s.differentiable}
+        self.eps = _zero_inputs(self.sites)
 
     def __call__(self, diff_args: tuple, eps: dict, outputs=()):
         flat = jax.tree_util.tree_leaves(diff_args)
