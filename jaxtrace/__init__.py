@@ -8,7 +8,16 @@ ordinary gradients, under ``jax.jit``, ``jax.vmap``, ``lax.scan`` and friends.
 from ._ad import grad as grad
 from ._ad import value_and_grad as value_and_grad
 from ._ad import vjp as vjp
+from ._compare import Comparison as Comparison
+from ._compare import compare as compare
+from ._equinox import filter_grad as filter_grad
+from ._equinox import filter_value_and_grad as filter_value_and_grad
+from ._equinox import tag_modules as tag_modules
+from ._forward import capture as capture
+from ._forward import jvp as jvp
+from ._forward import patch as patch
 from ._sites import TagError as TagError
 from ._tag import tag as tag
+from . import stats as stats
 
 __version__ = "0.1.0"

@@ -13,10 +13,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from . import _sites
 from ._perturb import perturb
 from ._sites import Site, TagSelection
-from ._split import Traced, trace
+from ._split import Split
 
 
 def _perturb_site(site: Site, x, eps):
@@ -51,44 +50,27 @@ def _normalize_argnums(argnums) -> tuple[int, ...]:
     return argnums
 
 
-def _check_argnums(argnums: tuple[int, ...], args: tuple) -> None:
-    for a in argnums:
-        if not -len(args) <= a < len(args):
-            raise TypeError(
-                f"argnums={a} is out of range: the function was called with {len(args)} positional "
-                "argument(s)."
-            )
+def _split_for_reverse(fun, args, kwargs, argnums, tags, has_aux, with_values):
+    """The split function for reverse mode: ``(args, eps) -> (out, (aux, tag_values))``, and its eps."""
+    split = Split(fun, args, kwargs, argnums, tags)
+    eps = _zero_inputs(split.sites)
+    outputs = split.keys if with_values else ()
 
+    def run(diff_args, eps):
+        result, values = split(diff_args, _perturb_site, eps, outputs)
+        out, aux = result if has_aux else (result, None)
+        return out, (aux, values)
 
-class _Split:
-    """``fun`` traced at ``args`` with the arguments in ``argnums`` as its inputs."""
-
-    def __init__(self, fun: Callable, args: tuple, kwargs: dict, argnums: tuple[int, ...], tags: TagSelection):
-        _check_argnums(argnums, args)
-        argnums = tuple(a % len(args) for a in argnums)
-        self.diff_args = tuple(args[i] for i in argnums)
-        flat, self.diff_tree = jax.tree_util.tree_flatten(self.diff_args)
-
-        def flat_fun(*flat_args):
-            full = list(args)
-            for i, a in zip(argnums, jax.tree_util.tree_unflatten(self.diff_tree, flat_args)):
-                full[i] = a
-            return fun(*full, **kwargs)
-
-        self.traced: Traced = trace(flat_fun, flat)
-        self.sites = _sites.select(self.traced.program.sites, tags)
-        self.eps = _zero_inputs(self.sites)
-
-    def __call__(self, diff_args: tuple, eps: dict, outputs=()):
-        flat = jax.tree_util.tree_leaves(diff_args)
-        return self.traced.run(flat, self.sites, _perturb_site, eps, outputs)
-
-    def tag_tree(self, cotangents: dict) -> dict:
-        return _sites.assemble(self.sites, cotangents)
+    return split, run, eps
 
 
 def value_and_grad(
-    fun: Callable, argnums: int | Sequence[int] = 0, *, has_aux: bool = False, tags: TagSelection = None
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    with_values: bool = False,
 ) -> Callable:
     """Like ``jax.value_and_grad``, and also the gradients at the tags in ``fun``.
 
@@ -98,7 +80,9 @@ def value_and_grad(
     returns; ``tag_grads`` is ``{name: gradient at the tagged value}``, each
     with the tagged value's structure, shape and dtype (plus leading axes for
     loops and ``vmap``). ``tags`` selects tags: ``None`` (all), a name, a
-    sequence of names, or a predicate on names.
+    sequence of names, or a predicate on names. With ``with_values=True`` the
+    forward values at the tags, from the same pass, are appended:
+    ``(value, (grads, tag_grads), tag_values)``.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
@@ -114,28 +98,29 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def value_and_grad_fun(*args, **kwargs):
-        split = _Split(fun, args, kwargs, nums, tags)
-        value, (g_args, g_eps) = jax.value_and_grad(
-            lambda d, e: _main_output(split(d, e)), argnums=(0, 1), has_aux=has_aux
-        )(split.diff_args, split.eps)
+        split, run, eps = _split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
+        (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
+            split.args, eps
+        )
         grads = g_args[0] if isinstance(argnums, int) else g_args
-        return value, (grads, split.tag_tree(g_eps))
+        result = ((value, aux) if has_aux else value, (grads, split.tag_tree(g_eps)))
+        return (*result, split.tag_tree(values)) if with_values else result
 
     return value_and_grad_fun
 
 
-def _main_output(result):
-    out, _ = result
-    return out
-
-
 def grad(
-    fun: Callable, argnums: int | Sequence[int] = 0, *, has_aux: bool = False, tags: TagSelection = None
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    with_values: bool = False,
 ) -> Callable:
     """Like ``jax.grad``, and also the gradients at the tags in ``fun``.
 
     Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
-    see ``value_and_grad``.
+    ``with_values=True`` appends the forward values at the tags. See ``value_and_grad``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -146,23 +131,25 @@ def grad(
         >>> float(grads), float(tag_grads["h"])
         (18.0, 6.0)
     """
-    value_and_grad_fun = value_and_grad(fun, argnums, has_aux=has_aux, tags=tags)
+    value_and_grad_fun = value_and_grad(fun, argnums, has_aux=has_aux, tags=tags, with_values=with_values)
 
     @functools.wraps(fun)
     def grad_fun(*args, **kwargs):
-        value, grads = value_and_grad_fun(*args, **kwargs)
-        return (grads, value[1]) if has_aux else grads
+        value, grads, *values = value_and_grad_fun(*args, **kwargs)
+        result = (grads, value[1]) if has_aux else grads  # grads is (grads, tag_grads)
+        return (*result, *values)
 
     return grad_fun
 
 
-def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection = None):
+def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection = None, with_values: bool = False):
     """Like ``jax.vjp``, and the pullback also gives the cotangents at the tags.
 
     Returns ``(out, vjp_fn)`` or with ``has_aux`` ``(out, vjp_fn, aux)``, where
     ``vjp_fn(ct)`` returns ``(primal_cts, tag_cts)``: ``primal_cts`` is the tuple
     ``jax.vjp``'s pullback returns, ``tag_cts`` is ``{name: cotangent}``.
     ``vjp_fn`` is linear and can be ``jax.vmap``-ed (rows of a Jacobian).
+    ``with_values=True`` appends the forward values at the tags.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -174,11 +161,11 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection 
         >>> tag_cts["h"].tolist(), x_ct.tolist()
         ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
     """
-    split = _Split(fun, primals, {}, tuple(range(len(primals))), tags)
-    results = jax.vjp(lambda d, e: _main_output(split(d, e)), split.diff_args, split.eps, has_aux=has_aux)
-    out, pullback = results[0], results[1]
+    split, run, eps = _split_for_reverse(fun, primals, {}, tuple(range(len(primals))), tags, has_aux, with_values)
+    out, pullback, (aux, values) = jax.vjp(run, split.args, eps, has_aux=True)
     vjp_fn = jax.tree_util.Partial(functools.partial(_split_cotangents, split.tag_tree), pullback)
-    return (out, vjp_fn, results[2]) if has_aux else (out, vjp_fn)
+    result = (out, vjp_fn, aux) if has_aux else (out, vjp_fn)
+    return (*result, split.tag_tree(values)) if with_values else result
 
 
 def _split_cotangents(tag_tree, pullback, ct):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _compat
-from ._sites import Site, merge_branches, stack_calls, with_problem
+from ._sites import Site, assemble, merge_branches, select, stack_calls, with_problem
 from ._tag import is_tag
 
 SiteFn = Callable[[Site, Any, Any], Any]  # (site, value at the tag, input or None) -> new value
@@ -296,19 +296,58 @@ for names, rule in [
 # --- tracing ----------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Traced:
-    """A function traced at some arguments: its program and output structure."""
+def _always(leaf) -> bool:
+    return True
 
-    program: Program
-    out_tree: Any
 
-    def run(self, flat_args, sites, site_fn: SiteFn, inputs: dict, outputs=()) -> tuple[Any, dict]:
-        outs, site_outputs = Splitter(self.program, sites, site_fn, outputs)(flat_args, inputs)
+class Split:
+    """``fun`` traced once at ``args``, with the sites that ``tags`` selects.
+
+    The leaves of the arguments in ``argnums`` for which ``dynamic(leaf)``
+    holds become the program's inputs; everything else is closed over as is
+    (so Python numbers stay static, as with ``jax.grad``'s other arguments).
+    Calling it re-runs the program on new values of those inputs, applying
+    ``site_fn`` at each selected tag and handing out the values at the sites
+    in ``outputs``.
+    """
+
+    def __init__(self, fun, args, kwargs, argnums, tags, *, dynamic=_always):
+        args = tuple(args)
+        for a in argnums:
+            if not -len(args) <= a < len(args):
+                raise TypeError(
+                    f"argnums={a} is out of range: the function was called with {len(args)} positional "
+                    "argument(s)."
+                )
+        argnums = tuple(a % len(args) for a in argnums)
+        self.args = tuple(args[i] for i in argnums)
+        leaves, tree = jax.tree_util.tree_flatten(self.args)
+        mask = [dynamic(leaf) for leaf in leaves]
+
+        def flat_fun(*dynamic_leaves):
+            it = iter(dynamic_leaves)
+            chosen = jax.tree_util.tree_unflatten(tree, [next(it) if m else leaf for leaf, m in zip(leaves, mask)])
+            full = list(args)
+            for i, a in zip(argnums, chosen):
+                full[i] = a
+            return fun(*full, **kwargs)
+
+        self._mask = mask
+        jaxpr, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*[l for l, m in zip(leaves, mask) if m])
+        self.program = Program(jaxpr)
+        self.out_tree = jax.tree_util.tree_structure(out_shape)
+        self.sites = select(self.program.sites, tags)
+
+    def __call__(self, args, site_fn: SiteFn, inputs: dict, outputs=()) -> tuple[Any, dict]:
+        """``fun(*args)`` (for the traced arguments) split at the selected sites."""
+        leaves = [leaf for leaf, m in zip(jax.tree_util.tree_leaves(args), self._mask) if m]
+        outs, site_outputs = Splitter(self.program, self.sites, site_fn, outputs)(leaves, inputs)
         return jax.tree_util.tree_unflatten(self.out_tree, outs), site_outputs
 
+    @property
+    def keys(self) -> list:
+        return [site.key for site in self.sites]
 
-def trace(flat_fun: Callable, flat_args: Sequence[Any]) -> Traced:
-    """Trace ``flat_fun(*flat_args)`` once into a ``Program``."""
-    jaxpr, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat_args)
-    return Traced(Program(jaxpr), jax.tree_util.tree_structure(out_shape))
+    def tag_tree(self, values: dict) -> dict:
+        """``{name: pytree}`` in the documented layout, from per-site values."""
+        return assemble(self.sites, values)

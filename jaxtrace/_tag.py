@@ -129,3 +129,10 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
 
 def is_tag(eqn: Any) -> bool:
     return eqn.primitive is tag_p
+
+
+def retag(site: Any, value):
+    """Tag ``value`` again as ``site``'s leaf (keeps a split site visible to outer transforms)."""
+    return tag_p.bind(
+        value, name=site.name, leaf=site.leaf, tree=site.tree, repeated=site.repeated, batch_axes=site.batch_axes
+    )

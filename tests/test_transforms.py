@@ -230,10 +230,10 @@ def test_checkpoint_nested_jit_and_closed_call(maybe_jit, policy):
     closed = jax.make_jaxpr(lambda a: jt.tag(jnp.sin(a), "cc") * 2.0)(x)
 
     def g(a):
-        params = primitives.closed_call_p.get_bind_params({"call_jaxpr": closed})
+        params, subfuns = primitives.closed_call_p.get_bind_params({"call_jaxpr": closed}), ()
         if isinstance(params, tuple):  # JAX < 0.9.2 returns (subfuns, params)
-            params = params[1]
-        (out,) = primitives.closed_call_p.bind(a, **params)
+            subfuns, params = params
+        (out,) = primitives.closed_call_p.bind(*subfuns, a, **params)
         return jnp.sum(out**2)
 
     _, tag_grads = maybe_jit(jt.grad(g))(x)

@@ -1,0 +1,290 @@
+"""``compare``: two sets of named gradients, side by side.
+
+Typical use: the gradients at the tags of a JAX model against the gradients
+at the module outputs of its PyTorch original (``jaxtrace.torch.grad``), name
+by name. This module needs only NumPy; the core never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Callable, Mapping, Union
+
+import jax
+import numpy as np
+
+Layout = Union[str, Callable[[np.ndarray], Any]]
+
+
+def _nchw_to_nhwc(x):
+    return np.moveaxis(x, -3, -1)
+
+
+def _nhwc_to_nchw(x):
+    return np.moveaxis(x, -1, -3)
+
+
+def _transpose(x):
+    return np.swapaxes(x, -1, -2)
+
+
+# Named layout transforms. Each acts on the trailing axes, so leading axes
+# (repeated calls, loop steps) pass through. "reshape" is resolved per name.
+LAYOUTS: dict[str, Callable] = {
+    "NCHW->NHWC": _nchw_to_nhwc,
+    "NHWC->NCHW": _nhwc_to_nchw,
+    "NCH->NHC": _nchw_to_nhwc,  # 1-d convolutions: (N, C, L) -> (N, L, C)
+    "NHC->NCH": _nhwc_to_nchw,
+    "transpose": _transpose,  # a Linear weight (out, in) <-> a Dense kernel (in, out)
+}
+
+
+def _to_numpy(x) -> np.ndarray:
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch.Tensor, without importing torch
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def _is_float0(x) -> bool:
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def _key_name(key) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _is_leaf(x) -> bool:
+    return hasattr(x, "detach") and hasattr(x, "cpu")  # torch tensors are leaves
+
+
+def named_leaves(tree) -> dict:
+    """``{name: array}`` for a dict of gradients, or any pytree of them.
+
+    A ``Mapping`` keeps its keys as names; a value that is itself a pytree (the
+    gradient at a tag on a tuple, say) adds its path in JAX's ``keystr`` form:
+    ``"attn[0]"``, ``"attn[1]"``. Any other pytree (an equinox model's
+    gradients) is named by dotted paths like ``named_parameters()``:
+    ``"layers.0.weight"``. ``None`` and float0 leaves (no gradient) are skipped.
+    """
+    out: dict = {}
+    if isinstance(tree, Mapping):
+        for name, value in tree.items():
+            flat, _ = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_leaf)
+            for path, leaf in flat:
+                if leaf is None or _is_float0(leaf):
+                    continue
+                out[f"{name}{jax.tree_util.keystr(path)}" if path else str(name)] = leaf
+    else:
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+        for path, leaf in flat:
+            if leaf is None or _is_float0(leaf):
+                continue
+            out[".".join(_key_name(k) for k in path)] = leaf
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One name in a comparison."""
+
+    name: str
+    shape_a: tuple
+    shape_b: tuple
+    max_abs: float  # max |a - b|
+    max_rel: float  # max |a - b| / max |b|: the error relative to the reference's scale
+    ok: bool
+    note: str = ""  # why it failed beyond the tolerance: "shape", "nan" or "layout: ..."
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """The result of ``compare``: prints as a table; ``.ok``; ``.assert_ok()``."""
+
+    rows: tuple
+    only_a: tuple
+    only_b: tuple
+    rtol: float
+    atol: float
+    labels: tuple
+    strict: bool
+
+    @property
+    def failed(self) -> list:
+        """Names whose values differ (shape, or error over the tolerance)."""
+        return [r.name for r in self.rows if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        """True when every common name matches and (if ``strict``) no name is one-sided."""
+        return not self.failed and (not self.strict or not (self.only_a or self.only_b))
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def assert_ok(self, msg: str = "") -> None:
+        """Raise an ``AssertionError`` with the table if the comparison failed."""
+        if not self.ok:
+            raise AssertionError(f"{msg + chr(10) if msg else ''}{self}")
+
+    def table(self) -> str:
+        a, b = self.labels
+        head = ("name", "shape", "max abs err", "max rel err", "result")
+        body = []
+        for r in self.rows:
+            shape = str(r.shape_a) if r.shape_a == r.shape_b else f"{r.shape_a} vs {r.shape_b}"
+            no_error = r.note == "shape" or r.note.startswith("layout")
+            err = ("-", "-") if no_error else (f"{r.max_abs:.2e}", f"{r.max_rel:.2e}")
+            status = "ok" if r.ok else (f"FAIL ({r.note})" if r.note else "FAIL")
+            body.append((r.name, shape, *err, status))
+        widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+
+        def fmt(line):
+            return "  ".join(
+                cell.ljust(w) if i in (0, 1, 4) else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))
+            ).rstrip()
+
+        lines = [fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, body)]
+        if self.only_a:
+            lines.append(f"only in {a}: {', '.join(self.only_a)}")
+        if self.only_b:
+            lines.append(f"only in {b}: {', '.join(self.only_b)}")
+        n_ok = sum(r.ok for r in self.rows)
+        verdict = "OK" if self.ok else "FAILED"
+        lines.append(
+            f"{verdict}: {n_ok}/{len(self.rows)} names match {a} vs {b} "
+            f"(pass: max abs err <= atol + rtol * max |{b}|, rtol={self.rtol:g}, atol={self.atol:g})"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, p, cycle):  # IPython
+        p.text(self.table())
+
+
+class LayoutError(ValueError):
+    """A layout that ``compare`` does not know."""
+
+
+def _layout_for(name: str, layout) -> Layout | None:
+    if layout is None:
+        return None
+    if callable(layout) and not isinstance(layout, Mapping):
+        return lambda x: layout(name, x)
+    if name in layout:
+        return layout[name]
+    for pattern, value in layout.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return value
+    return None
+
+
+def _apply_layout(name: str, spec: Layout, value: np.ndarray, target_shape: tuple) -> np.ndarray:
+    if isinstance(spec, str):
+        if spec == "reshape":
+            if value.size != int(np.prod(target_shape)):
+                raise ValueError(
+                    f"compare: the layout 'reshape' for {name!r} cannot reshape {value.shape} to "
+                    f"{target_shape}: the sizes differ."
+                )
+            return value.reshape(target_shape)
+        if spec not in LAYOUTS:
+            raise LayoutError(
+                f"compare: unknown layout {spec!r} for {name!r}. Use one of "
+                f"{', '.join(repr(k) for k in [*LAYOUTS, 'reshape'])}, or a function of the array."
+            )
+        return LAYOUTS[spec](value)
+    return _to_numpy(spec(value))
+
+
+def compare(
+    a,
+    b,
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+    layout: Mapping[str, Layout] | Callable[[str, Any], Any] | None = None,
+    labels: tuple = ("a", "b"),
+    strict: bool = True,
+) -> Comparison:
+    """Compare two sets of named gradients (or any arrays) name by name.
+
+    ``a`` and ``b`` are dicts ``{name: array or pytree of arrays}`` (for
+    example ``tag_grads`` from ``jaxtrace.grad`` and the module gradients from
+    ``jaxtrace.torch.grad``), or pytrees such as an equinox model's gradients,
+    named by dotted paths (see ``named_leaves``). NumPy, JAX and torch arrays
+    are accepted. For each name in both, the result has the shapes, the
+    largest absolute error ``max |a - b|`` and the error relative to ``b``'s
+    scale ``max |a - b| / max |b|``. A name passes when the shapes agree and
+    ``max |a - b| <= atol + rtol * max |b|`` (NaN never passes). Names found on
+    one side only are listed, and with ``strict=True`` make ``.ok`` false.
+    Rows follow ``b``'s order (the reference: for ``jaxtrace.torch`` results,
+    the order in which the modules ran; ``jax.jit`` returns dicts with sorted
+    keys).
+
+    ``layout`` converts ``b``'s value into ``a``'s layout before comparing: a
+    dict from names (or ``fnmatch`` patterns such as ``"conv*"``) to a function
+    of the array or one of the names ``"NCHW->NHWC"``, ``"NHWC->NCHW"``,
+    ``"NCH->NHC"``, ``"NHC->NCH"`` (acting on the trailing axes),
+    ``"transpose"`` (swap the last two axes: a Linear weight ``(out, in)``
+    against a Dense kernel ``(in, out)``) or ``"reshape"`` (to ``a``'s shape);
+    or a function ``(name, array) -> array`` used for every name.
+
+    Returns a ``Comparison``: ``print`` it for a table; ``.ok`` says whether
+    everything matched, ``.assert_ok()`` raises with the table if not.
+
+    Example:
+        >>> import numpy as np, jaxtrace as jt
+        >>> a = {"conv": np.ones((2, 4, 4, 3)), "fc.weight": np.ones((5, 3))}
+        >>> b = {"conv": np.ones((2, 3, 4, 4)), "fc.weight": np.ones((3, 5)), "extra": np.zeros(1)}
+        >>> result = jt.compare(a, b, layout={"conv": "NCHW->NHWC", "fc.weight": "transpose"})
+        >>> result.failed, result.only_b, result.ok
+        ([], ('extra',), False)
+    """
+    if not (isinstance(labels, (tuple, list)) and len(labels) == 2):
+        raise TypeError(f"compare: labels must be a pair of strings such as ('jax', 'torch'), got {labels!r}.")
+    flat_a, flat_b = named_leaves(a), named_leaves(b)
+    rows = []
+    for name, value_b in flat_b.items():
+        if name not in flat_a:
+            continue
+        x = _to_numpy(flat_a[name])
+        y = _to_numpy(value_b)
+        spec = _layout_for(name, layout)
+        if spec is not None:
+            try:
+                y = _apply_layout(name, spec, y, x.shape)
+            except LayoutError:
+                raise
+            except Exception as e:  # a layout that does not fit this array: a failed row, not a crash
+                rows.append(Row(name, x.shape, y.shape, float("nan"), float("nan"), False, f"layout: {e}"))
+                continue
+        rows.append(_compare_one(name, x, y, rtol, atol))
+    only_a = tuple(n for n in flat_a if n not in flat_b)
+    only_b = tuple(n for n in flat_b if n not in flat_a)
+    return Comparison(tuple(rows), only_a, only_b, float(rtol), float(atol), tuple(labels), bool(strict))
+
+
+def _compare_one(name: str, x: np.ndarray, y: np.ndarray, rtol: float, atol: float) -> Row:
+    if x.shape != y.shape:
+        return Row(name, x.shape, y.shape, float("nan"), float("nan"), False, "shape")
+    if x.size == 0:
+        return Row(name, x.shape, y.shape, 0.0, 0.0, True)
+    xf = x.astype(np.float64) if not np.iscomplexobj(x) else x.astype(np.complex128)
+    yf = y.astype(np.float64) if not np.iscomplexobj(y) else y.astype(np.complex128)
+    diff = np.abs(xf - yf)
+    if np.isnan(diff).any():
+        return Row(name, x.shape, y.shape, float("nan"), float("nan"), False, "nan")
+    max_abs = float(np.max(diff))
+    scale = float(np.max(np.abs(yf)))
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    ok = bool(max_abs <= atol + rtol * scale)
+    return Row(name, x.shape, y.shape, max_abs, max_rel, ok)

@@ -1,0 +1,150 @@
+"""The forward side of a tag, from the same split: read values (``capture``),
+push tangents (``jvp``) and replace values (``patch``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._sites import Site, TagError, TagSelection
+from ._split import Split
+from ._tag import retag
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _keep(site: Site, x, _):
+    return retag(site, x)
+
+
+def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
+    """Run ``fun`` and also return the values at its tags.
+
+    Returns a function with ``fun``'s signature that returns
+    ``(out, tag_values)``, with ``tag_values = {name: value}`` laid out as the
+    gradients are (loop axes, then vmap axes, then the value's shape). In a
+    cond, a branch not taken gives zeros. Array arguments are traced; other
+    arguments (Python numbers, strings) stay static. The tags stay in place,
+    so ``jaxtrace.grad`` of a captured function still sees them.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> def f(x):
+        ...     return jnp.sum(jt.tag(x * 2.0, "double"))
+        >>> out, values = jt.capture(f)(jnp.arange(3.0))
+        >>> values["double"].tolist()
+        [0.0, 2.0, 4.0]
+    """
+
+    @functools.wraps(fun)
+    def captured(*args, **kwargs):
+        split = Split(fun, args, kwargs, range(len(args)), tags, dynamic=_is_array)
+        out, values = split(split.args, _keep, {}, split.keys)
+        return out, split.tag_tree(values)
+
+    return captured
+
+
+def jvp(fun: Callable, primals, tangents, *, tags: TagSelection = None):
+    """Like ``jax.jvp``, and also the tangents at the tags.
+
+    Returns ``(out, out_tangent, tag_tangents)``; ``tag_tangents`` is
+    ``{name: tangent at the tagged value}`` (float0 for integer tags).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> def f(x):
+        ...     return jnp.sin(jt.tag(3.0 * x, "h"))
+        >>> out, out_dot, tag_dots = jt.jvp(f, (0.0,), (1.0,))
+        >>> float(out_dot), float(tag_dots["h"])
+        (3.0, 3.0)
+    """
+    primals, tangents = tuple(primals), tuple(tangents)
+    split = Split(fun, primals, {}, range(len(primals)), tags)
+
+    def run(args):
+        return split(args, _keep, {}, split.keys)
+
+    (out, _), (out_dot, values_dot) = jax.jvp(run, (split.args,), (tangents,))
+    return out, out_dot, split.tag_tree(values_dot)
+
+
+def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
+    """``fun`` with the values at some tags replaced.
+
+    ``replacements`` maps a tag name to a value (the tag's structure, shape
+    and dtype, with loop and vmap axes: a stacked value patches step by step)
+    or to a function ``value -> new value``, applied to each array of the
+    tagged value. A value cuts the gradient upstream of the tag; a function
+    keeps it (``lambda v: 0.5 * v`` also halves the gradient). The tags stay
+    in place, so the patched function composes with ``jaxtrace.grad``,
+    ``capture`` (which then sees the new values), ``jax.jit`` and ``jax.vmap``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> def f(x):
+        ...     return jnp.sum(jt.tag(x * 2.0, "double"))
+        >>> float(jt.patch(f, {"double": jnp.zeros(3)})(jnp.ones(3)))
+        0.0
+        >>> float(jt.patch(f, {"double": lambda v: 10 * v})(jnp.ones(3)))
+        60.0
+    """
+    replacements = dict(replacements)
+    for name in replacements:
+        if not isinstance(name, str):
+            raise TypeError(f"jaxtrace.patch: replacement keys must be tag names (strings), got {name!r}.")
+    functions = {n: r for n, r in replacements.items() if callable(r)}
+
+    def site_fn(site: Site, x, replacement):
+        if site.name in functions:
+            replacement = functions[site.name](x)
+            _check_leaf(site, jnp.shape(x), replacement, jnp.shape(x))
+            replacement = jnp.asarray(replacement, x.dtype)
+        return retag(site, replacement)
+
+    @functools.wraps(fun)
+    def patched(*args, **kwargs):
+        split = Split(fun, args, kwargs, range(len(args)), list(replacements), dynamic=_is_array)
+        inputs = {}
+        for name, value in replacements.items():
+            if name not in functions:
+                inputs.update(_program_inputs([s for s in split.sites if s.name == name], value))
+        out, _ = split(split.args, site_fn, inputs)
+        return out
+
+    return patched
+
+
+def _program_inputs(sites: list[Site], value) -> dict:
+    """Per-site inputs in the program's layout from a user's replacement value."""
+    sites = sorted(sites, key=lambda s: s.leaf)
+    tree = sites[0].tree
+    leaves, value_tree = jax.tree_util.tree_flatten(value)
+    if value_tree != tree:
+        raise TagError(
+            f"jaxtrace.patch: the replacement for tag {sites[0].name!r} (at {sites[0].where}) has structure "
+            f"{value_tree}, but the tagged value has structure {tree}. Pass a value of the same structure."
+        )
+    inputs = {}
+    for site, leaf in zip(sites, leaves):
+        leaf = _check_leaf(site, site.user_shape(), leaf, site.user_shape())
+        inputs[site.key] = site.from_user(jnp.asarray(leaf, site.dtype))
+    return inputs
+
+
+def _check_leaf(site: Site, expected_shape, leaf, shape_for_message):
+    shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
+    weak = not hasattr(leaf, "dtype") or getattr(getattr(leaf, "aval", None), "weak_type", False)
+    if tuple(shape) != tuple(expected_shape) or (dtype != site.dtype and not weak):
+        raise TagError(
+            f"jaxtrace.patch: the replacement for tag {site.name!r} (at {site.where}) has shape {tuple(shape)} "
+            f"and dtype {dtype}, but the tag holds shape {tuple(shape_for_message)} and dtype {site.dtype} "
+            "(loop axes first, then vmap axes). Pass a value of that shape and dtype."
+        )
+    return leaf

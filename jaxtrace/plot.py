@@ -1,0 +1,271 @@
+"""Pictures of gradients: gradient flow over training, per-timestep norms, heatmap overlays.
+
+Needs matplotlib (``pip install "jaxtrace[plot]"``); the rest of jaxtrace
+never imports it. Figures are drawn with matplotlib's Agg canvas, without
+``pyplot`` (no windows, no global state): each function returns a
+``matplotlib.figure.Figure`` and, given ``path=``, also saves it there.
+
+Example:
+    >>> import numpy as np, jaxtrace as jt
+    >>> from jaxtrace import plot
+    >>> history = jt.stats.History()
+    >>> for step in range(3):
+    ...     history.append(step, {"layer0": {"norm": np.float32(1.0 / (step + 1))}})
+    >>> fig = plot.grad_flow(history, stat="norm")
+    >>> [ax.get_title() for ax in fig.axes]
+    ['norm over training', 'norm per tag at step 2']
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Sequence
+
+import numpy as np
+
+try:
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+except ImportError as error:  # pragma: no cover - exercised without matplotlib
+    raise ImportError(
+        "jaxtrace.plot needs matplotlib, which is not installed. Install it with "
+        '`pip install "jaxtrace[plot]"` (or `pip install matplotlib`).'
+    ) from error
+
+__all__ = ["grad_flow", "timestep_norms", "overlay"]
+
+
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _finish(fig: Figure, path: str | os.PathLike | None, dpi: int = 110) -> Figure:
+    if path is not None:
+        os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    return fig
+
+
+def _colors(n: int):
+    cmap = matplotlib.colormaps["viridis"]
+    return [cmap(0.9 * i / max(n - 1, 1)) for i in range(n)]
+
+
+def _positive(values: np.ndarray) -> np.ndarray:
+    """Values for a log axis: non-positive and non-finite entries become nan (gaps)."""
+    values = np.asarray(values, dtype=np.float64)
+    return np.where(np.isfinite(values) & (values > 0), values, np.nan)
+
+
+def grad_flow(
+    history,
+    stat: str = "norm",
+    names: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    path: str | os.PathLike | None = None,
+) -> Figure:
+    """Gradient flow from a ``jaxtrace.stats.History``: per-tag curves over steps, and a bar per tag.
+
+    Left: ``stat`` for each tag over the logged steps (log scale; one colour
+    per tag, in order, so depth reads as a colour ramp). Right: one bar per tag
+    at the last logged step: ``mean_abs`` and ``max_abs`` when the history has
+    them (the classic gradient-flow bar chart), else ``stat``; tags with
+    non-finite entries at that step are marked in red. A tag with loop axes is
+    reduced over them by root-sum-of-squares for ``norm`` (the norm of the
+    whole stacked gradient) and by max / mean otherwise.
+
+    Example:
+        >>> import numpy as np, jaxtrace as jt
+        >>> from jaxtrace import plot
+        >>> h = jt.stats.History()
+        >>> h.append(0, {"a": {"norm": np.ones(4)}, "b": {"norm": np.float32(0.1)}})
+        >>> len(plot.grad_flow(h).axes[0].lines)
+        2
+    """
+    names = list(history.names if names is None else names)
+    if not names:
+        raise ValueError("jaxtrace.plot.grad_flow: the History holds no statistics yet; append some first.")
+    steps = history.steps
+    fig = _figure(11, 4.2)
+    ax_lines, ax_bars = fig.subplots(1, 2, width_ratios=[1.5, 1])
+    colors = _colors(len(names))
+
+    for name, color in zip(names, colors):
+        ax_lines.plot(steps, _positive(_per_step(history.array(name, stat), stat)), color=color, lw=1.8, label=name)
+    ax_lines.set_yscale("log")
+    ax_lines.set_xlabel("training step")
+    ax_lines.set_ylabel(_LABELS.get(stat, stat))
+    ax_lines.set_title(f"{stat} over training")
+    ax_lines.grid(True, which="major", alpha=0.3)
+    if len(names) <= 12:
+        ax_lines.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+
+    x = np.arange(len(names))
+    last = len(steps) - 1
+    available = set.intersection(*(set(history[name]) for name in names))
+    if {"mean_abs", "max_abs"} <= available:
+        maxes = [_per_step(history.array(n, "max_abs"), "max_abs")[last] for n in names]
+        means = [_per_step(history.array(n, "mean_abs"), "mean_abs")[last] for n in names]
+        ax_bars.bar(x, _positive(maxes), color="#9ecae1", width=0.75, label="max |g|")
+        ax_bars.bar(x, _positive(means), color="#08519c", width=0.45, label="mean |g|")
+        ax_bars.set_ylabel("|gradient|")
+        ax_bars.legend(fontsize=8, frameon=False)
+    else:
+        values = [_per_step(history.array(n, stat), stat)[last] for n in names]
+        ax_bars.bar(x, _positive(values), color=colors, width=0.7)
+        ax_bars.set_ylabel(_LABELS.get(stat, stat))
+    if "nonfinite" in available:
+        for i, n in enumerate(names):
+            if _per_step(history.array(n, "nonfinite"), "max_abs")[last] > 0:
+                ax_bars.axvspan(i - 0.5, i + 0.5, color="red", alpha=0.2, lw=0)
+    ax_bars.set_yscale("log")
+    ax_bars.set_xticks(x, names, rotation=45 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+    ax_bars.set_title(f"{'|g|' if {'mean_abs', 'max_abs'} <= available else stat} per tag at step {steps[last]}")
+    ax_bars.grid(True, axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    return _finish(fig, path)
+
+
+_LABELS = {
+    "norm": "gradient L2 norm",
+    "mean_abs": "mean |gradient|",
+    "max_abs": "max |gradient|",
+    "nonfinite": "fraction non-finite",
+}
+
+
+def _per_step(values: np.ndarray, stat: str) -> np.ndarray:
+    """``(steps, *loop axes)`` -> ``(steps,)``."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim == 1:
+        return values
+    flat = values.reshape(len(values), -1)
+    if stat == "norm":
+        return np.sqrt(np.sum(flat**2, axis=1))
+    if stat == "max_abs":
+        return np.max(flat, axis=1)
+    return np.mean(flat, axis=1)
+
+
+def timestep_norms(
+    norms: Mapping[str, np.ndarray],
+    *,
+    title: str | None = "gradient norm per timestep",
+    ylabel: str = "‖∂loss/∂h_t‖",
+    band: tuple[float, float] = (10, 90),
+    path: str | os.PathLike | None = None,
+) -> Figure:
+    """Per-timestep gradient norms of recurrent models, one curve per model (log scale).
+
+    ``norms`` maps a label to an array of shape ``(T,)`` (one norm per step,
+    as ``jaxtrace.stats.value_and_grad`` gives for a tag in a ``lax.scan``) or
+    ``(T, B)`` (per step and example, ``per_example=True``): then the median
+    over examples is drawn, with the ``band`` percentiles shaded.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxtrace import plot
+        >>> fig = plot.timestep_norms({"rnn": 0.9 ** np.arange(50)[::-1], "gru": np.ones((50, 8))})
+        >>> [line.get_label() for line in fig.axes[0].lines]
+        ['rnn', 'gru']
+    """
+    if not norms:
+        raise ValueError("jaxtrace.plot.timestep_norms: pass at least one {label: norms} entry.")
+    fig = _figure(8, 4)
+    ax = fig.add_subplot()
+    palette = ["#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+    for i, (label, values) in enumerate(norms.items()):
+        values = np.asarray(values, dtype=np.float64)
+        if values.ndim not in (1, 2):
+            raise ValueError(
+                f"jaxtrace.plot.timestep_norms: norms[{label!r}] has shape {values.shape}; expected (T,) or (T, B)."
+            )
+        color = palette[i % len(palette)]
+        t = np.arange(len(values))
+        if values.ndim == 2:
+            lo, mid, hi = np.nanpercentile(values, [band[0], 50, band[1]], axis=1)
+            ax.fill_between(t, _positive(lo), _positive(hi), color=color, alpha=0.18, lw=0)
+            values = mid
+        ax.plot(t, _positive(values), color=color, lw=2, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("timestep t")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(frameon=False)
+    if title:
+        ax.set_title(title)
+    return _finish(fig, path)
+
+
+def overlay(
+    images,
+    heatmaps,
+    *,
+    titles: Sequence[str] | None = None,
+    ncols: int | None = None,
+    alpha: float = 0.5,
+    cmap: str = "jet",
+    vmax: float | None = None,
+    size: float = 2.2,
+    path: str | os.PathLike | None = None,
+) -> Figure:
+    """Heatmaps (saliency, Grad-CAM) drawn over their images, in a grid.
+
+    ``images``: one image or a sequence, each ``(H, W)`` (grey) or
+    ``(H, W, 3)`` (RGB, values in [0, 1] or any range: each is rescaled).
+    ``heatmaps``: one per image, any resolution (stretched over the image with
+    bilinear interpolation, so a coarse Grad-CAM map needs no resizing), each
+    drawn on the scale [0, its own max], or [0, ``vmax``] for all maps when
+    ``vmax`` is given (to compare maps); ``None`` shows the image alone. Panels fill
+    rows of ``ncols`` (default: all in one row, at most 6).
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxtrace import plot
+        >>> image, cam = np.random.rand(32, 32), np.random.rand(4, 4)
+        >>> fig = plot.overlay([image, image], [None, cam], titles=["input", "Grad-CAM"])
+        >>> len(fig.axes)
+        2
+    """
+    single = not isinstance(images, (list, tuple)) and (
+        np.ndim(images) == 2 or (np.ndim(images) == 3 and np.shape(images)[-1] in (3, 4))
+    )
+    if single:
+        images, heatmaps = [images], [heatmaps]
+    images, heatmaps = list(images), list(heatmaps)
+    if len(images) != len(heatmaps):
+        raise ValueError(
+            f"jaxtrace.plot.overlay: {len(images)} images but {len(heatmaps)} heatmaps; pass one heatmap "
+            "(or None) per image."
+        )
+    if titles is not None and len(titles) != len(images):
+        raise ValueError(f"jaxtrace.plot.overlay: {len(titles)} titles for {len(images)} images.")
+    n = len(images)
+    ncols = ncols or min(n, 6)
+    nrows = -(-n // ncols)
+    fig = _figure(size * ncols, size * nrows + (0.25 if titles else 0))
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    for i, ax in enumerate(axes):
+        ax.set_axis_off()
+        if i >= n:
+            continue
+        image = np.asarray(images[i], dtype=np.float64)
+        h, w = image.shape[:2]
+        lo, hi = np.nanmin(image), np.nanmax(image)
+        image = (image - lo) / (hi - lo) if hi > lo else np.zeros_like(image)
+        ax.imshow(image, cmap="gray" if image.ndim == 2 else None, extent=(0, w, h, 0), interpolation="nearest")
+        if heatmaps[i] is not None:
+            heat = np.asarray(heatmaps[i], dtype=np.float64)
+            if heat.ndim != 2:
+                raise ValueError(f"jaxtrace.plot.overlay: heatmap {i} has shape {heat.shape}; expected (h, w).")
+            top = np.nanmax(heat) if vmax is None else vmax
+            heat = np.clip(heat / top, 0, 1) if top > 0 else np.zeros_like(heat)
+            ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
+        if titles is not None:
+            ax.set_title(titles[i], fontsize=9)
+    return _finish(fig, path)

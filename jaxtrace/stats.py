@@ -1,0 +1,311 @@
+"""Gradient statistics computed inside the jitted step, and a host-side history.
+
+A training step that returns full cotangents at every tag moves (and keeps in
+memory) one array per activation per step. Usually a few numbers per tag are
+enough to watch gradient health: :func:`summarize` reduces each tag's
+gradient to
+
+- ``"norm"``: the L2 norm, ``sqrt(sum(g**2))``,
+- ``"mean_abs"``: the mean of ``|g|``,
+- ``"max_abs"``: the largest ``|g|``,
+- ``"nonfinite"``: the fraction of entries that are ``nan`` or ``inf``,
+
+inside the traced function, so under ``jax.jit`` the full cotangents are
+never outputs of the compiled program (XLA drops them). A pytree-valued tag
+is summarised as one vector of all its leaves. :func:`value_and_grad` does
+the differentiation and the summary in one call and keeps each tag's loop
+axes, so a tag in a ``lax.scan`` of length ``T`` gives ``T`` values per
+statistic (one per step). :class:`History` collects the summaries on the
+host across steps as NumPy arrays, for logging and ``jaxtrace.plot``.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxtrace as jt
+    >>> def loss(w, x):
+    ...     h = jt.tag(jnp.tanh(x @ w), "hidden")
+    ...     return jnp.sum(h ** 2)
+    >>> step = jax.jit(jt.stats.value_and_grad(loss))
+    >>> value, (grads, tag_stats) = step(jnp.ones((3, 2)), jnp.ones((4, 3)))
+    >>> sorted(tag_stats["hidden"])
+    ['max_abs', 'mean_abs', 'nonfinite', 'norm']
+    >>> history = jt.stats.History()
+    >>> history.append(0, tag_stats, loss=value)
+    >>> history["hidden"]["norm"].shape, history.scalar("loss").shape
+    ((1,), (1,))
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ad
+from ._sites import TagSelection
+
+STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
+"""The statistics :func:`summarize` computes by default (all it knows)."""
+
+LoopAxes = Union[int, Mapping[str, int], Callable[[str], int]]
+
+
+def summarize(
+    values: Mapping[str, Any], *, loop_axes: LoopAxes = 0, stats: Sequence[str] = STATS
+) -> dict[str, dict[str, jax.Array]]:
+    """Per-tag summaries of gradients (or any arrays), for use inside ``jax.jit``.
+
+    ``values`` is a dict ``{name: pytree of arrays}``, such as the
+    ``tag_grads`` that ``jaxtrace.grad`` returns. Returns
+    ``{name: {stat: array}}`` with the statistics in ``stats`` (see
+    ``STATS``), each computed over all entries of all leaves of the tag except
+    its first ``loop_axes`` axes, which are kept: ``loop_axes`` is an int for
+    every tag, a dict ``{name: int}`` (missing names: 0) or a function of the
+    name. By jaxtrace's layout rule the leading axes of a tag's gradient are
+    its loop axes (outer loop first), then its vmap axes, so ``loop_axes=1``
+    for a tag in one ``lax.scan`` gives one value per step, and ``2`` for a
+    tag in a scan over a ``vmap`` gives one per step and example.
+    :func:`value_and_grad` fills in the loop axes from the program itself.
+
+    Norm, mean and max follow NumPy on non-finite input (``nan`` if any entry
+    is ``nan``, else ``inf`` if any is ``inf``); the norm is computed scaled
+    by the max, so it does not overflow for large finite gradients. The
+    results have the gradient's real dtype, at least float32. A ``float0``
+    leaf (the gradient of an integer tag) counts as zeros.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> s = jt.stats.summarize({"h": jnp.array([[3.0, -4.0], [0.0, jnp.inf]])}, loop_axes=1)
+        >>> s["h"]["norm"].tolist(), s["h"]["nonfinite"].tolist()
+        ([5.0, inf], [0.0, 0.5])
+    """
+    unknown = [s for s in stats if s not in STATS]
+    if unknown or isinstance(stats, str):
+        raise ValueError(
+            f"jaxtrace.stats.summarize: unknown statistic(s) {unknown or stats!r}; choose a sequence from {STATS}."
+        )
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            "jaxtrace.stats.summarize takes a dict {name: pytree of arrays} (such as tag_grads), "
+            f"got {type(values).__name__}. Wrap a single tree as {{'name': tree}}."
+        )
+    return {name: _summarize_one(name, value, _axes_for(loop_axes, name), tuple(stats)) for name, value in values.items()}
+
+
+def _axes_for(loop_axes: LoopAxes, name: str) -> int:
+    if isinstance(loop_axes, Mapping):
+        n = loop_axes.get(name, 0)
+    elif callable(loop_axes):
+        n = loop_axes(name)
+    else:
+        n = loop_axes
+    if not isinstance(n, (int, np.integer)) or n < 0:
+        raise TypeError(f"jaxtrace.stats.summarize: loop_axes for {name!r} must be an int >= 0, got {n!r}.")
+    return int(n)
+
+
+def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
+    leaves = jax.tree_util.tree_leaves(value)
+    if not leaves:
+        raise ValueError(f"jaxtrace.stats.summarize: the value for {name!r} has no arrays.")
+    shapes = [np.shape(leaf) for leaf in leaves]
+    if any(len(s) < keep for s in shapes):
+        raise ValueError(
+            f"jaxtrace.stats.summarize: loop_axes={keep} for {name!r}, but it has a leaf of shape "
+            f"{min(shapes, key=len)}. Keep at most as many axes as the value has."
+        )
+    kept = {s[:keep] for s in shapes}
+    if len(kept) > 1:
+        raise ValueError(
+            f"jaxtrace.stats.summarize: the leaves of {name!r} have different leading axes {sorted(kept)} "
+            f"(shapes {shapes}), so they cannot be summarised per step with loop_axes={keep}."
+        )
+    (kept_shape,) = kept
+    axes_of = [tuple(range(keep, len(s))) for s in shapes]
+    mags = [jnp.abs(_as_float(leaf)) for leaf in leaves]
+    dtype = jnp.result_type(*mags)
+    mags = [m.astype(dtype) for m in mags]
+    count = sum(int(np.prod(s[keep:], dtype=np.int64)) for s in shapes)
+
+    out = {}
+    scale = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax, initial=0.0) for m, ax in zip(mags, axes_of)])
+    # Propagate nan explicitly rather than rely on how the backend's max reduction treats it.
+    any_nan = functools.reduce(jnp.logical_or, [jnp.any(jnp.isnan(m), axis=ax) for m, ax in zip(mags, axes_of)])
+    max_abs = jnp.where(any_nan, jnp.nan, scale).astype(dtype)
+    if "norm" in stats or "mean_abs" in stats:
+        safe = jnp.where(jnp.isfinite(max_abs) & (max_abs > 0), max_abs, 1.0).astype(dtype)
+        expand = lambda m: jnp.reshape(safe, kept_shape + (1,) * (m.ndim - keep))  # noqa: E731
+        if "norm" in stats:
+            sq = sum(jnp.sum(jnp.square(m / expand(m)), axis=ax) for m, ax in zip(mags, axes_of))
+            norm = safe * jnp.sqrt(sq)
+            out["norm"] = jnp.where(jnp.isfinite(max_abs), norm, max_abs).astype(dtype)
+        if "mean_abs" in stats:
+            total = sum(jnp.sum(m / expand(m), axis=ax) for m, ax in zip(mags, axes_of))
+            mean = safe * total / count if count else jnp.full(kept_shape, jnp.nan, dtype)
+            out["mean_abs"] = jnp.where(jnp.isfinite(max_abs), mean, max_abs).astype(dtype)
+    if "max_abs" in stats:
+        out["max_abs"] = max_abs
+    if "nonfinite" in stats:
+        bad = sum(jnp.sum(~jnp.isfinite(m), axis=ax, dtype=jnp.int32) for m, ax in zip(mags, axes_of))
+        out["nonfinite"] = (bad / count if count else jnp.zeros(kept_shape)).astype(dtype)
+    return {s: out[s] for s in stats}
+
+
+def _as_float(leaf):
+    if getattr(leaf, "dtype", None) == jax.dtypes.float0:
+        return jnp.zeros(np.shape(leaf), jnp.float32)
+    leaf = jnp.asarray(leaf)
+    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+        return leaf
+    return leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
+
+
+def value_and_grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    stats: Sequence[str] = STATS,
+    per_example: bool = False,
+) -> Callable:
+    """``jaxtrace.value_and_grad`` with each tag's gradient reduced by :func:`summarize`.
+
+    Returns a function with ``fun``'s signature that returns
+    ``(value, (grads, tag_stats))`` (with ``has_aux``
+    ``((value, aux), (grads, tag_stats))``), where
+    ``tag_stats = {name: {stat: array}}``. Each statistic keeps the tag's
+    loop axes: a tag in plain code gives scalars, a tag in a ``lax.scan`` of
+    length ``T`` (or a ``fori_loop``, ``lax.map``, or ``repeated=True`` calls)
+    gives arrays of shape ``(T,)``, nested loops ``(T1, T2)``. Everything else
+    (``vmap`` axes and the value's own axes) is reduced, unless
+    ``per_example=True``, which keeps the vmap axes of ``vmap`` inside ``fun``
+    too: shape ``(*loop axes, *vmap axes)``. Under ``jax.jit`` only these
+    summaries leave the compiled program, not the cotangents.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxtrace as jt
+        >>> def loss(w, xs):
+        ...     def step(h, x):
+        ...         h = jt.tag(jnp.tanh(w * h + x), "h")
+        ...         return h, None
+        ...     h, _ = jax.lax.scan(step, jnp.zeros(2), xs)
+        ...     return jnp.sum(h)
+        >>> _, (_, s) = jax.jit(jt.stats.value_and_grad(loss))(0.5, jnp.ones((5, 2)))
+        >>> s["h"]["norm"].shape    # one norm per scan step
+        (5,)
+    """
+    nums = _ad._normalize_argnums(argnums)
+    summarize({}, stats=stats)  # check the statistic names now, not at the first call
+
+    @functools.wraps(fun)
+    def stats_fun(*args, **kwargs):
+        split, run, eps = _ad._split_for_reverse(fun, args, kwargs, nums, tags, has_aux, False)
+        (value, (aux, _)), (g_args, g_eps) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(split.args, eps)
+        keep = {}
+        for site in split.sites:
+            keep[site.name] = len(site.stack) + (len(site.batch_axes) if per_example else 0)
+        tag_stats = summarize(split.tag_tree(g_eps), loop_axes=keep, stats=stats)
+        grads = g_args[0] if isinstance(argnums, int) else g_args
+        return ((value, aux) if has_aux else value, (grads, tag_stats))
+
+    return stats_fun
+
+
+class History:
+    """Host-side record of per-tag statistics across training steps.
+
+    ``append(step, stats, **scalars)`` takes what :func:`summarize` or
+    :func:`value_and_grad` returned (one device-to-host transfer) and any
+    scalars to log beside it (``loss=...``). ``history[name][stat]`` is a
+    NumPy array of shape ``(number of appends, *loop axes)``; ``history.steps``
+    holds the step numbers, ``history.scalar("loss")`` a logged scalar. A
+    tag or scalar missing from some appends reads as ``nan`` there.
+
+    Example:
+        >>> import numpy as np, jaxtrace as jt
+        >>> h = jt.stats.History()
+        >>> h.append(0, {"a": {"norm": np.float32(2.0)}}, loss=1.0)
+        >>> h.append(10, {"a": {"norm": np.float32(0.5)}}, loss=0.5)
+        >>> h.steps.tolist(), h["a"]["norm"].tolist(), h.scalar("loss").tolist()
+        ([0, 10], [2.0, 0.5], [1.0, 0.5])
+        >>> print(h.format())
+        step 10  loss 0.5  | norm: a 0.5
+    """
+
+    def __init__(self):
+        self._steps: list[int] = []
+        self._stats: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+        self._scalars: dict[str, dict[int, float]] = {}
+
+    def append(self, step: int, stats: Mapping[str, Mapping[str, Any]] | None = None, **scalars) -> None:
+        stats, scalars = jax.device_get((dict(stats or {}), scalars))
+        row = len(self._steps)
+        self._steps.append(int(step))
+        for name, per_stat in stats.items():
+            if not isinstance(per_stat, Mapping):
+                raise TypeError(
+                    f"jaxtrace.stats.History.append: stats[{name!r}] should be a dict {{stat: array}} "
+                    f"as summarize returns, got {type(per_stat).__name__}."
+                )
+            entry = self._stats.setdefault(name, {})
+            for stat, value in per_stat.items():
+                entry.setdefault(stat, {})[row] = np.asarray(value)
+        for name, value in scalars.items():
+            self._scalars.setdefault(name, {})[row] = float(np.asarray(value))
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    @property
+    def steps(self) -> np.ndarray:
+        return np.asarray(self._steps, dtype=np.int64)
+
+    @property
+    def names(self) -> list[str]:
+        """Tag names, in the order they were first appended."""
+        return list(self._stats)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._stats
+
+    def __getitem__(self, name: str) -> dict[str, np.ndarray]:
+        if name not in self._stats:
+            raise KeyError(f"No statistics for {name!r} in this History; it has {self.names}.")
+        return {stat: self._column(rows) for stat, rows in self._stats[name].items()}
+
+    def array(self, name: str, stat: str = "norm") -> np.ndarray:
+        """``history[name][stat]``: shape ``(len(history), *loop axes)``."""
+        per_stat = self[name]
+        if stat not in per_stat:
+            raise KeyError(f"No statistic {stat!r} for {name!r}; it has {sorted(per_stat)}.")
+        return per_stat[stat]
+
+    def scalar(self, name: str) -> np.ndarray:
+        """A scalar logged with ``append(..., name=value)``, shape ``(len(history),)``."""
+        if name not in self._scalars:
+            raise KeyError(f"No scalar {name!r} in this History; it has {sorted(self._scalars)}.")
+        rows = self._scalars[name]
+        return np.array([rows.get(i, np.nan) for i in range(len(self))])
+
+    def _column(self, rows: dict) -> np.ndarray:
+        template = next(iter(rows.values()))
+        dtype = np.result_type(template.dtype, np.float32)
+        missing = np.full(template.shape, np.nan, dtype)
+        return np.stack([rows.get(i, missing).astype(dtype) for i in range(len(self))])
+
+    def format(self, stat: str = "norm", names: Sequence[str] | None = None, row: int = -1) -> str:
+        """One line for a log: the step, the scalars and ``stat`` per tag (a loop's last step)."""
+        if not self._steps:
+            return "(empty History)"
+        row = range(len(self))[row]
+        parts = [f"step {self._steps[row]}"]
+        parts += [f"{k} {v[row]:.4g}" for k, v in self._scalars.items() if row in v]
+        cells = []
+        for name in names if names is not None else self.names:
+            value = self._stats.get(name, {}).get(stat, {}).get(row)
+            if value is not None:
+                cells.append(f"{name} {float(np.ravel(value)[-1]):.3g}")
+        line = "  ".join(parts)
+        return f"{line}  | {stat}: " + "  ".join(cells) if cells else line

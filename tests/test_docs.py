@@ -1,0 +1,30 @@
+"""The docstring examples and the README's first example run and say what they claim."""
+
+import doctest
+import importlib
+import pathlib
+import re
+
+import pytest
+
+import jaxtrace
+
+MODULES = sorted({obj.__module__ for obj in vars(jaxtrace).values() if getattr(obj, "__module__", "").startswith("jaxtrace")})
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+
+
+def test_every_public_function_has_an_example():
+    for name, obj in vars(jaxtrace).items():
+        if callable(obj) and not name.startswith("_") and not isinstance(obj, type):
+            assert ">>>" in (obj.__doc__ or ""), f"jaxtrace.{name} has no example in its docstring"
+
+
+def test_readme_first_example_runs():
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})

@@ -1,0 +1,257 @@
+"""jaxtrace.stats: in-graph summaries against NumPy on the full cotangents, the compiled
+program's outputs, and the host-side History."""
+
+import doctest
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxtrace as jt
+from jaxtrace import stats
+
+jax.config.update("jax_enable_x64", True)
+
+
+def numpy_stats(value, keep):
+    """The oracle: float64 NumPy over all leaves of one tag, keeping the first ``keep`` axes."""
+    leaves = [np.asarray(leaf, np.float64) for leaf in jax.tree_util.tree_leaves(value)]
+    kept = leaves[0].shape[:keep]
+    flat = np.concatenate([leaf.reshape(*kept, -1) for leaf in leaves], axis=-1)
+    mags = np.abs(flat)
+    return {
+        "norm": np.sqrt(np.sum(flat**2, axis=-1)),
+        "mean_abs": np.mean(mags, axis=-1),
+        "max_abs": np.max(mags, axis=-1),
+        "nonfinite": np.mean(~np.isfinite(flat), axis=-1),
+    }
+
+
+def assert_stats_match(tag_stats, tag_grads, keep, rtol=1e-12):
+    assert set(tag_stats) == set(tag_grads)
+    for name, value in tag_grads.items():
+        expected = numpy_stats(value, keep.get(name, 0))
+        assert set(tag_stats[name]) == set(stats.STATS)
+        for stat, want in expected.items():
+            got = np.asarray(tag_stats[name][stat])
+            assert got.shape == want.shape, (name, stat, got.shape, want.shape)
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=0, err_msg=f"{name} {stat}")
+
+
+def model(params, xs):
+    """Tags in plain code (a pytree), in a scan, in a vmap inside the scan, and repeated calls."""
+    w, u = params["w"], params["u"]
+    pair = jt.tag({"a": jnp.sin(xs[0] @ w), "b": jnp.cos(xs[0])}, "pair")
+
+    def step(h, x):
+        h = jt.tag(jnp.tanh(h @ u + x @ w), "rnn.h")
+        rows = jax.vmap(lambda r: jt.tag(r * jnp.sum(r), "rows"))(jnp.stack([h, 2 * h]))
+        return h, jnp.sum(rows)
+
+    h, ys = lax.scan(step, pair["a"], xs)
+    for _ in range(3):
+        h = jt.tag(jnp.tanh(h @ u), "shared", repeated=True)
+    return jnp.sum(h**2) + jnp.sum(ys) + jnp.sum(pair["b"] ** 3)
+
+
+LOOP_AXES = {"pair": 0, "rnn.h": 1, "rows": 1, "shared": 1}
+
+
+@pytest.fixture
+def problem():
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w": jax.random.normal(k1, (3, 4)), "u": jax.random.normal(k2, (4, 4)) / 2}
+    xs = jax.random.normal(k3, (6, 3))
+    return params, xs
+
+
+def test_value_and_grad_stats_match_numpy_on_full_cotangents(problem, maybe_jit):
+    params, xs = problem
+    value, (grads, tag_grads) = maybe_jit(jt.value_and_grad(model))(params, xs)
+    s_value, (s_grads, tag_stats) = maybe_jit(stats.value_and_grad(model))(params, xs)
+    np.testing.assert_allclose(s_value, value, rtol=1e-13)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-13), s_grads, grads)
+    assert tag_grads["rows"].shape == (6, 2, 4)  # loop, vmap, value
+    assert tag_stats["rnn.h"]["norm"].shape == (6,)  # one per scan step
+    assert tag_stats["rows"]["norm"].shape == (6,)  # the vmap axis is reduced
+    assert tag_stats["shared"]["norm"].shape == (3,)  # one per repeated call
+    assert tag_stats["pair"]["norm"].shape == ()
+    assert_stats_match(tag_stats, tag_grads, LOOP_AXES)
+
+
+def test_per_example_keeps_vmap_axes(problem, maybe_jit):
+    params, xs = problem
+    _, (_, tag_grads) = jt.value_and_grad(model)(params, xs)
+    _, (_, tag_stats) = maybe_jit(stats.value_and_grad(model, tags=["rows", "rnn.h"], per_example=True))(params, xs)
+    assert set(tag_stats) == {"rows", "rnn.h"}
+    assert tag_stats["rows"]["max_abs"].shape == (6, 2)
+    assert_stats_match(tag_stats, {n: tag_grads[n] for n in tag_stats}, {"rows": 2, "rnn.h": 1})
+
+
+def test_argnums_has_aux_and_stat_selection(problem):
+    params, xs = problem
+
+    def f(xs, params):
+        return model(params, xs), {"first": xs[0]}
+
+    fun = stats.value_and_grad(f, argnums=1, has_aux=True, tags="rnn.h", stats=["max_abs", "norm"])
+    (value, aux), (g, tag_stats) = fun(xs, params)
+    np.testing.assert_allclose(value, model(params, xs), rtol=1e-13)
+    np.testing.assert_array_equal(aux["first"], xs[0])
+    assert set(g) == {"w", "u"}
+    assert set(tag_stats["rnn.h"]) == {"max_abs", "norm"}
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2])
+def test_summarize_loop_axes_forms(keep):
+    g = {"a": jnp.arange(24.0).reshape(2, 3, 4) - 7.0, "b": {"x": jnp.ones((2, 3)), "y": -jnp.ones((2, 3, 5))}}
+    for loop_axes in (keep, {"a": keep, "b": keep}, lambda name: keep):
+        out = jax.jit(lambda g: stats.summarize(g, loop_axes=loop_axes))(g)
+        assert_stats_match(out, g, {"a": keep, "b": keep})
+
+
+def test_summarize_nonfinite_and_large_values():
+    g = np.array(
+        [[1.0, -2.0, 2.0, 0.0], [np.inf, 1.0, -1.0, 0.0], [np.nan, 1.0, np.inf, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    )
+    out = jax.jit(lambda g: stats.summarize({"g": g}, loop_axes=1))(jnp.asarray(g))
+    expected = numpy_stats(g, 1)
+    for stat in stats.STATS:
+        np.testing.assert_array_equal(np.asarray(out["g"][stat]), expected[stat], err_msg=stat)
+    # float32: finite gradients whose squares overflow still give a finite norm
+    big = np.array([3e30, -4e30, 1e25], np.float32)
+    out = stats.summarize({"big": jnp.asarray(big)})["big"]
+    assert out["norm"].dtype == jnp.float32
+    np.testing.assert_allclose(out["norm"], np.linalg.norm(big.astype(np.float64)), rtol=1e-6)
+    np.testing.assert_allclose(out["mean_abs"], np.mean(np.abs(big.astype(np.float64))), rtol=1e-6)
+
+
+def test_dtypes_float0_and_complex():
+    half = stats.summarize({"h": jnp.ones(4, jnp.bfloat16)})["h"]
+    assert half["norm"].dtype == jnp.float32 and float(half["norm"]) == 2.0
+    z = stats.summarize({"z": jnp.array([3 + 4j, 0j])})["z"]
+    np.testing.assert_allclose(z["norm"], 5.0)
+    np.testing.assert_allclose(z["mean_abs"], 2.5)
+
+    def f(x, n):
+        return jnp.sum(x * jt.tag(n, "count"))
+
+    _, (_, s) = stats.value_and_grad(f)(jnp.ones(3), jnp.arange(3))
+    assert {k: float(v) for k, v in s["count"].items()} == {"norm": 0, "mean_abs": 0, "max_abs": 0, "nonfinite": 0}
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="unknown statistic.*'median'"):
+        stats.summarize({"a": jnp.ones(2)}, stats=["norm", "median"])
+    with pytest.raises(ValueError, match="unknown statistic"):
+        stats.value_and_grad(jnp.sum, stats="norm")
+    with pytest.raises(ValueError, match="at most as many axes"):
+        stats.summarize({"a": jnp.ones(2)}, loop_axes=2)
+    with pytest.raises(ValueError, match="different leading axes"):
+        stats.summarize({"a": {"x": jnp.ones((2, 3)), "y": jnp.ones((3, 3))}}, loop_axes=1)
+    with pytest.raises(TypeError, match="int >= 0"):
+        stats.summarize({"a": jnp.ones(2)}, loop_axes={"a": -1})
+    with pytest.raises(TypeError, match="takes a dict"):
+        stats.summarize(jnp.ones(2))
+    with pytest.raises(jt.TagError, match="No tag named 'nope'"):
+        stats.value_and_grad(model, tags="nope")(
+            {"w": jnp.ones((3, 4)), "u": jnp.ones((4, 4))}, jnp.ones((2, 3))
+        )
+
+
+def test_only_the_summaries_leave_the_compiled_step():
+    """Under jit the full cotangents are not outputs: check the lowered outputs and compiled memory."""
+    n, width, depth = 256, 512, 3
+
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            h = jt.tag(jnp.tanh(h @ w), f"layer{i}")
+        return jnp.mean(h**2)
+
+    ws = [jnp.ones((width, width), jnp.float32) / width for _ in range(depth)]
+    x = jnp.ones((n, width), jnp.float32)
+
+    def with_stats(ws, x):
+        value, (grads, tag_stats) = stats.value_and_grad(loss)(ws, x)
+        return value, tag_stats
+
+    def with_cotangents(ws, x):
+        value, (grads, tag_grads) = jt.value_and_grad(loss)(ws, x)
+        return value, tag_grads
+
+    lowered = jax.jit(with_stats).lower(ws, x)
+    out_shapes = [leaf.shape for leaf in jax.tree_util.tree_leaves(lowered.out_info)]
+    assert out_shapes == [()] * (1 + depth * len(stats.STATS))
+    full = jax.jit(with_cotangents).lower(ws, x)
+    assert [leaf.shape for leaf in jax.tree_util.tree_leaves(full.out_info)][1:] == [(n, width)] * depth
+
+    summary_mem = lowered.compile().memory_analysis()
+    full_mem = full.compile().memory_analysis()
+    if summary_mem is None or full_mem is None:
+        pytest.skip("this backend reports no memory analysis")
+    one_cotangent = n * width * 4
+    assert full_mem.output_size_in_bytes >= depth * one_cotangent
+    assert summary_mem.output_size_in_bytes < 1024
+
+
+def test_history():
+    h = stats.History()
+    assert len(h) == 0 and h.format() == "(empty History)"
+    h.append(0, {"a": {"norm": jnp.float32(1.0), "max_abs": jnp.float32(2.0)}, "loop": {"norm": jnp.arange(3.0)}}, loss=3.0)
+    h.append(5, {"a": {"norm": jnp.float32(0.5), "max_abs": jnp.float32(1.5)}}, loss=jnp.float32(2.0), acc=0.5)
+    h.append(9, {"loop": {"norm": jnp.ones(3)}, "late": {"norm": 7.0}})
+    assert len(h) == 3 and h.steps.tolist() == [0, 5, 9]
+    assert h.names == ["a", "loop", "late"] and "a" in h and "b" not in h
+    np.testing.assert_array_equal(h["a"]["norm"], [1.0, 0.5, np.nan])
+    assert h["a"]["norm"].dtype == np.float32
+    np.testing.assert_array_equal(h.array("loop", "norm"), [[0, 1, 2], [np.nan] * 3, [1, 1, 1]])
+    np.testing.assert_array_equal(h.array("late"), [np.nan, np.nan, 7.0])
+    np.testing.assert_array_equal(h.scalar("loss"), [3.0, 2.0, np.nan])
+    np.testing.assert_array_equal(h.scalar("acc"), [np.nan, 0.5, np.nan])
+    assert h.format(row=1) == "step 5  loss 2  acc 0.5  | norm: a 0.5"
+    assert h.format(stat="max_abs", names=["a"], row=0) == "step 0  loss 3  | max_abs: a 2"
+    assert h.format() == "step 9  | norm: loop 1  late 7"
+    with pytest.raises(KeyError, match="has \\['a', 'loop', 'late'\\]"):
+        h["b"]
+    with pytest.raises(KeyError, match="No statistic 'mean_abs'"):
+        h.array("a", "mean_abs")
+    with pytest.raises(KeyError, match="No scalar 'lr'"):
+        h.scalar("lr")
+    with pytest.raises(TypeError, match="should be a dict"):
+        h.append(10, {"a": jnp.ones(3)})
+
+
+def test_history_from_a_jitted_training_loop(problem):
+    params, xs = problem
+    step = jax.jit(stats.value_and_grad(model))
+    full = jax.jit(jt.grad(model, tags="rnn.h"))
+    history = stats.History()
+    expected = []
+    for i in range(3):
+        value, (grads, tag_stats) = step(params, xs)
+        history.append(i, tag_stats, loss=value)
+        expected.append(numpy_stats(full(params, xs)[1]["rnn.h"], 1)["norm"])
+        params = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    assert history.array("rnn.h", "norm").shape == (3, 6)
+    np.testing.assert_allclose(history.array("rnn.h", "norm"), np.stack(expected), rtol=1e-12)
+
+
+def test_readme_statistics_example_runs():
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Gradient statistics") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {}
+    exec(compile(code, "README.md (Gradient statistics)", "exec"), namespace)
+    history = namespace["history"]
+    assert history.steps.tolist() == [0, 5, 10, 15]
+    assert history["layers.0"]["norm"].shape == (4,)
+    assert history.format(row=0).startswith("step 0  loss 0.01278  | norm: layers.0 0.00935")
+
+
+def test_docstring_examples():
+    assert doctest.testmod(stats, optionflags=doctest.ELLIPSIS).failed == 0

@@ -1,0 +1,20 @@
+"""Without torch, importing jaxtrace.torch says how to install it, and the core still imports."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+
+def test_import_without_torch_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail, as if not installed
+    monkeypatch.delitem(sys.modules, "jaxtrace.torch", raising=False)
+    with pytest.raises(ImportError, match=r'pip install "jaxtrace\[torch\]".*pip install torch'):
+        importlib.import_module("jaxtrace.torch")
+
+
+def test_core_does_not_import_torch():
+    code = "import sys, jaxtrace; jaxtrace.compare({}, {}); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,742 @@
+"""Parity with PyTorch: gradients at module outputs/inputs and parameters, layer by layer.
+
+Each model is written twice, in torch and in equinox (with explicit ``jt.tag``
+calls named like the torch modules' ``named_modules()`` paths), with the same
+weights (``jaxtrace.torch.load_weights``). The torch side is the oracle: its
+gradients come from tensor hooks (``jaxtrace.torch.grad``), an independent
+mechanism. Float64 must agree to 1e-10 (relative to each gradient's scale);
+float32 to ``RTOL32``.
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+import jaxtrace as jt  # noqa: E402
+import jaxtrace.torch as jtt  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+torch.set_num_threads(1)
+
+RTOL64 = 1e-10
+ATOL64 = 1e-13  # for gradients that are zero analytically (a key bias under softmax) and ~1e-17 in practice
+RTOL32 = 1e-5  # float32: max |jax - torch| <= 1e-5 * max |torch| per gradient
+nn = torch.nn
+
+
+def _keys(n, seed=0):
+    return jax.random.split(jax.random.key(seed), n)
+
+
+def jax_grads(model, loss, *args, jit=False):
+    """``jt.grad`` of ``loss(model, *args)`` w.r.t. the model's arrays."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def f(p, *a):
+        return loss(eqx.combine(p, static), *a)
+
+    g = jt.grad(f)
+    return (jax.jit(g) if jit else g)(params, *args)
+
+
+def check_parity(tmodel, jmodel, targs, jargs, tloss, jloss, *, jit, rtol=RTOL64, atol=ATOL64, zero=()):
+    """Module and parameter gradients from both sides agree, and are not trivially zero."""
+    jmodel = jtt.load_weights(jmodel, tmodel)
+    param_grads, tag_grads = jax_grads(jmodel, jloss, *jargs, jit=jit)
+    t_params, t_modules = jtt.grad(tmodel, *targs, loss=tloss, where=list(tag_grads))
+    modules = jt.compare(tag_grads, t_modules, rtol=rtol, atol=atol, labels=("jax", "torch"))
+    modules.assert_ok("gradients at module outputs/inputs")
+    params = jt.compare(jtt.named_grads(param_grads, tmodel), t_params, rtol=rtol, atol=atol, labels=("jax", "torch"))
+    params.assert_ok("parameter gradients")
+    assert len(params.rows) == len(list(tmodel.parameters()))
+    for name, leaf in jt._compare.named_leaves({**t_modules, **t_params}).items():
+        if name not in zero:
+            assert np.abs(leaf).max() > 0, f"{name}: an all-zero gradient makes this check vacuous"
+    return tag_grads, t_modules
+
+
+# --- MLP ------------------------------------------------------------------------
+
+
+class TorchMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class JaxMLP(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.layers = [
+            eqx.nn.Linear(4, 6, key=k[0]),
+            eqx.nn.Lambda(jnp.tanh),
+            eqx.nn.Linear(6, 6, key=k[1]),
+            eqx.nn.Lambda(jax.nn.relu),
+            eqx.nn.Linear(6, 3, key=k[2]),
+        ]
+
+    def __call__(self, x):
+        h = jt.tag(x, "layers:in")
+        for i, layer in enumerate(self.layers):
+            h = jt.tag(layer(jt.tag(h, f"layers.{i}:in")), f"layers.{i}")
+        return jt.tag(h, "layers")
+
+
+def _data(*shape, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(*shape, generator=g, dtype=dtype)
+    return t, jnp.asarray(t.numpy())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_mlp(jit):
+    torch.manual_seed(0)
+    tmodel = TorchMLP().double()
+    (tx, x), (ty, y) = _data(3, 4), _data(3, 3, seed=1)
+
+    def jloss(m, x):
+        out = jt.tag(jax.vmap(m)(x), "")
+        return jnp.mean((out - y) ** 2)
+
+    tag_grads, t_modules = check_parity(
+        tmodel, JaxMLP(_keys(1)[0]), (tx,), (x,), lambda out: ((out - ty) ** 2).mean(), jloss, jit=jit
+    )
+    assert set(t_modules) == {"", "layers", "layers:in", *(f"layers.{i}{s}" for i in range(5) for s in ("", ":in"))}
+    assert t_modules["layers.2"].shape == (3, 6)
+
+
+# --- CNN with in-place ReLU and pooling --------------------------------------
+
+
+class TorchCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3, padding=1)
+        self.act1 = nn.ReLU(inplace=True)
+        self.pool1 = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(3, 4, 3)
+        self.act2 = nn.ReLU(inplace=True)
+        self.pool2 = nn.AvgPool2d(2)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = self.pool1(self.act1(self.conv1(x)))
+        x = self.pool2(self.act2(self.conv2(x)))
+        return self.fc(x.flatten(1))
+
+
+class JaxCNN(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    pool1: eqx.nn.MaxPool2d
+    conv2: eqx.nn.Conv2d
+    pool2: eqx.nn.AvgPool2d
+    fc: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(2, 3, 3, padding=1, key=k[0])
+        self.pool1 = eqx.nn.MaxPool2d(2, stride=2)
+        self.conv2 = eqx.nn.Conv2d(3, 4, 3, key=k[1])
+        self.pool2 = eqx.nn.AvgPool2d(2, stride=2)
+        self.fc = eqx.nn.Linear(4, 3, key=k[2])
+
+    def __call__(self, x):  # one example, (C, H, W)
+        x = jt.tag(self.conv1(x), "conv1")
+        x = jt.tag(jax.nn.relu(jt.tag(x, "act1:in")), "act1")
+        x = jt.tag(self.pool1(x), "pool1")
+        x = jt.tag(self.conv2(x), "conv2")
+        x = jt.tag(jax.nn.relu(x), "act2")
+        x = jt.tag(self.pool2(x), "pool2")
+        return jt.tag(self.fc(x.reshape(-1)), "fc")
+
+
+def _cnn_data(dtype):
+    tx, _ = _data(2, 2, 8, 8, seed=2, dtype=dtype)
+    tt, _ = _data(2, 3, seed=3, dtype=dtype)
+    return tx, tt
+
+
+def _cnn_losses(tt):
+    t = jnp.asarray(tt.numpy())
+
+    def jloss(m, x):
+        return jnp.sum(jax.vmap(m)(x) * t)
+
+    return (lambda out: (out * tt).sum()), jloss
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_cnn_inplace_relu_pooling(jit):
+    torch.manual_seed(1)
+    tmodel = TorchCNN().double()
+    with torch.no_grad():
+        tmodel.conv1.bias += 0.5  # keep most conv1 outputs positive: no all-zero max-pool windows (ties)
+    tx, tt = _cnn_data(torch.float64)
+    tloss, jloss = _cnn_losses(tt)
+    tag_grads, t_modules = check_parity(
+        tmodel, JaxCNN(_keys(1)[0]), (tx,), (jnp.asarray(tx.numpy()),), tloss, jloss, jit=jit
+    )
+    assert t_modules["conv1"].shape == (2, 3, 8, 8)  # NCHW, as vmap puts the batch axis first
+    # The in-place ReLU: the gradient at conv1's output is the gradient after the ReLU, masked.
+    mask = tag_grads["conv1"] != 0
+    assert 0 < mask.mean() < 1
+    np.testing.assert_array_equal(t_modules["act1:in"], t_modules["conv1"])
+
+
+def test_cnn_float32_within_stated_tolerance():
+    torch.manual_seed(1)
+    tmodel = TorchCNN()
+    with torch.no_grad():
+        tmodel.conv1.bias += 0.5
+    tx, tt = _cnn_data(torch.float32)
+    tloss, jloss = _cnn_losses(tt)
+    jmodel = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a, JaxCNN(_keys(1)[0])
+    )
+    tag_grads, _ = check_parity(
+        tmodel, jmodel, (tx,), (jnp.asarray(tx.numpy()),), tloss, jloss, jit=True, rtol=RTOL32, atol=0.0
+    )
+    assert tag_grads["conv1"].dtype == jnp.float32
+
+
+# --- GRU: a Python loop in torch, lax.scan in JAX ---------------------------------
+
+
+class TorchGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, xs):  # (T, B, 3)
+        h = torch.zeros(xs.shape[1], 4, dtype=xs.dtype)
+        for x in xs:
+            h = self.cell(x, h)
+        return self.head(h)
+
+
+class JaxGRU(eqx.Module):
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key)
+        self.cell = eqx.nn.GRUCell(3, 4, key=k[0])
+        self.head = eqx.nn.Linear(4, 2, key=k[1])
+
+    def __call__(self, xs):  # one sequence, (T, 3)
+        def step(h, x):
+            x, h = jt.tag((x, h), "cell:in")
+            return jt.tag(self.cell(x, h), "cell"), None
+
+        h, _ = lax.scan(step, jnp.zeros(4, xs.dtype), xs)
+        return jt.tag(self.head(h), "head")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_gru_python_loop_vs_scan(jit):
+    torch.manual_seed(2)
+    tmodel = TorchGRU().double()
+    txs, xs = _data(5, 2, 3, seed=4)  # T=5 steps, batch 2
+    tt, t = _data(2, 2, seed=5)
+
+    def jloss(m, xs):
+        return jnp.sum(jnp.sin(jax.vmap(m, in_axes=1)(xs)) * t)
+
+    tag_grads, t_modules = check_parity(
+        tmodel, JaxGRU(_keys(1)[0]), (txs,), (xs,), lambda out: (torch.sin(out) * tt).sum(), jloss, jit=jit
+    )
+    # Per-step hidden-state gradients: loop axis first, then the batch (vmap) axis.
+    assert t_modules["cell"].shape == tag_grads["cell"].shape == (5, 2, 4)
+    assert [a.shape for a in t_modules["cell:in"]] == [(5, 2, 3), (5, 2, 4)]
+
+
+# --- a transformer block ----------------------------------------------------------
+
+D, HEADS, T = 8, 2, 3
+
+
+class TorchAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.softmax = nn.Softmax(dim=-1)
+        self.heads = nn.Identity()  # exposes the per-head outputs, (B, H, T, D / H)
+
+    def forward(self, x):  # (B, T, D)
+        b, t, d = x.shape
+
+        def split(z):
+            return z.view(b, t, HEADS, d // HEADS).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        probs = self.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // HEADS))
+        heads = self.heads(probs @ v)
+        return self.o(heads.transpose(1, 2).reshape(b, t, d)), probs
+
+
+class TorchBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(D)
+        self.attn = TorchAttention()
+        self.resid1 = nn.Identity()
+        self.ln2 = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+        self.resid2 = nn.Identity()
+
+    def forward(self, x):
+        a, _ = self.attn(self.ln1(x))
+        x = self.resid1(x + a)
+        return self.resid2(x + self.mlp(self.ln2(x)))
+
+
+def _tokens(f, x, name):
+    """A per-token layer on (T, D), tagged at its input and output."""
+    return jt.tag(jax.vmap(f)(jt.tag(x, name + ":in")), name)
+
+
+class JaxAttention(eqx.Module):
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.q, self.k, self.v, self.o = (eqx.nn.Linear(D, D, key=k) for k in jax.random.split(key, 4))
+
+    def __call__(self, x):  # (T, D)
+        t, d = x.shape
+
+        def split(z):
+            return z.reshape(t, HEADS, d // HEADS).transpose(1, 0, 2)
+
+        q, k, v = (split(_tokens(lin, x, f"attn.{n}")) for lin, n in ((self.q, "q"), (self.k, "k"), (self.v, "v")))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(d // HEADS)
+        probs = jt.tag(jax.nn.softmax(jt.tag(scores, "attn.softmax:in"), axis=-1), "attn.softmax")
+        heads = jt.tag(probs @ v, "attn.heads")
+        out = _tokens(self.o, heads.transpose(1, 0, 2).reshape(t, d), "attn.o")
+        return jt.tag((out, probs), "attn")  # a tuple output, as in torch
+
+
+class JaxBlock(eqx.Module):
+    ln1: eqx.nn.LayerNorm
+    attn: JaxAttention
+    ln2: eqx.nn.LayerNorm
+    mlp: list
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.ln1, self.ln2 = eqx.nn.LayerNorm(D), eqx.nn.LayerNorm(D)
+        self.attn = JaxAttention(k[0])
+        self.mlp = [eqx.nn.Linear(D, 2 * D, key=k[1]), None, eqx.nn.Linear(2 * D, D, key=k[2])]
+
+    def __call__(self, x):  # (T, D)
+        a, _ = self.attn(jt.tag(_tokens(self.ln1, x, "ln1"), "attn:in"))
+        x = jt.tag(x + a, "resid1")
+        h = _tokens(self.ln2, x, "ln2")
+        h = _tokens(self.mlp[0], h, "mlp.0")
+        h = jt.tag(jax.nn.gelu(h, approximate=False), "mlp.1")
+        h = _tokens(self.mlp[2], h, "mlp.2")
+        return jt.tag(x + jt.tag(h, "mlp"), "resid2")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_transformer_block(jit):
+    torch.manual_seed(3)
+    tmodel = TorchBlock().double()
+    with torch.no_grad():  # non-trivial LayerNorm affine parameters
+        for ln in (tmodel.ln1, tmodel.ln2):
+            ln.weight.add_(0.1 * torch.randn(D, dtype=torch.float64))
+            ln.bias.add_(0.1 * torch.randn(D, dtype=torch.float64))
+    tx, x = _data(2, T, D, seed=6)
+    tt, t = _data(2, T, D, seed=7)
+
+    def jloss(m, x):
+        return jnp.sum(jnp.tanh(jax.vmap(m)(x)) * t)
+
+    tag_grads, t_modules = check_parity(
+        tmodel,
+        JaxBlock(_keys(1)[0]),
+        (tx,),
+        (x,),
+        lambda out: (torch.tanh(out) * tt).sum(),
+        jloss,
+        jit=jit,
+        zero=("attn[1]", "attn.k.bias"),  # probs is dropped; softmax ignores a shift of the scores
+    )
+    assert t_modules["attn.softmax"].shape == (2, HEADS, T, T)  # attention probabilities
+    assert t_modules["attn.heads"].shape == (2, HEADS, T, D // HEADS)  # per-head outputs
+    # attn returns (out, probs); the block drops probs, so the gradient at that output is zero,
+    # although the same tensor's gradient inside attn (at attn.softmax) is not.
+    out_grad, probs_grad = t_modules["attn"]
+    assert np.abs(out_grad).max() > 0 and np.abs(probs_grad).max() == 0 == np.abs(tag_grads["attn"][1]).max()
+
+
+# --- a module called twice ----------------------------------------------------------
+
+
+class TorchTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        h = self.block(self.block(h))  # shared weights: block, block.0 and block.1 fire twice
+        return self.out(h)
+
+
+class JaxTwice(eqx.Module):
+    emb: eqx.nn.Embedding
+    block: eqx.nn.Sequential
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.emb = eqx.nn.Embedding(5, 4, key=k[0])
+        self.block = eqx.nn.Sequential([eqx.nn.Linear(4, 4, key=k[1]), eqx.nn.Lambda(jnp.tanh)])
+        self.out = eqx.nn.Linear(4, 2, key=k[2])
+
+    def _block(self, h):
+        h = jt.tag(h, "block:in", repeated=True)
+        h = jt.tag(self.block.layers[0](h), "block.0", repeated=True)
+        h = jt.tag(self.block.layers[1](h), "block.1", repeated=True)
+        return jt.tag(h, "block", repeated=True)
+
+    def __call__(self, token):
+        h = jt.tag(self.emb(token), "emb")
+        return jt.tag(self.out(self._block(self._block(h))), "out")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_module_called_twice(jit):
+    torch.manual_seed(4)
+    tmodel = TorchTwice().double()
+    tokens = torch.tensor([0, 3, 3, 1])
+    tt, t = _data(4, 2, seed=8)
+
+    def jloss(m, tokens):
+        return jnp.sum(jnp.cos(jax.vmap(m)(tokens)) * t)
+
+    tag_grads, t_modules = check_parity(
+        tmodel,
+        JaxTwice(_keys(1)[0]),
+        (tokens,),
+        (jnp.asarray(tokens.numpy()),),
+        lambda out: (torch.cos(out) * tt).sum(),
+        jloss,
+        jit=jit,
+    )
+    # Calls stacked in call order, before the batch axis.
+    for name in ("block", "block.0", "block.1", "block:in"):
+        assert t_modules[name].shape == tag_grads[name].shape == (2, 4, 4)
+
+
+# --- jaxtrace.torch.grad itself -------------------------------------------------------
+
+
+class Pair(nn.Module):
+    """Returns a dict with a float tensor, an integer tensor and None; also a tuple."""
+
+    def forward(self, x):
+        return {"double": 2 * x, "index": x.argmax(-1), "nothing": None}, (x * x, 3)
+
+
+class UsesPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pair = Pair()
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        d, (sq, _) = self.pair(x)
+        self.unused(x)  # its output does not reach the loss
+        return (d["double"] * sq).sum()
+
+
+def test_tuple_and_dict_outputs_keep_their_structure():
+    x = torch.tensor([[1.0, -2.0, 0.5]], dtype=torch.float64)
+    _, modules = jtt.grad(UsesPair().double(), x, where=["pair", "unused"])
+    d, (g_sq, g_int) = modules["pair"]
+    assert set(d) == {"double", "index", "nothing"} and d["index"] is None and d["nothing"] is None
+    # loss = sum(double * sq): d/d double = sq = x^2, d/d sq = double = 2x.
+    np.testing.assert_allclose(d["double"], (x * x).numpy())
+    np.testing.assert_allclose(g_sq, (2 * x).numpy())
+    assert g_int is None
+    np.testing.assert_array_equal(modules["unused"], np.zeros((1, 3)))  # zeros, not missing
+    # The same structure tagged in JAX gives the same names in compare.
+    def f(x):
+        out = jt.tag(({"double": 2 * x, "index": jnp.argmax(x, -1)}, (x * x, 3.0)), "pair")
+        return jnp.sum(out[0]["double"] * out[1][0])
+
+    _, jax_tags = jt.grad(f)(jnp.asarray(x.numpy()))
+    result = jt.compare(jax_tags, {"pair": modules["pair"]}, labels=("jax", "torch"))
+    assert [r.name for r in result.rows] == ["pair[0]['double']", "pair[1][0]"]
+    assert result.only_a == ("pair[1][1]",)  # the Python 3 is a constant in torch: no gradient
+
+
+class MakesConstant(nn.Module):
+    def forward(self, x):
+        return torch.ones_like(x) * 3.0  # no requires_grad: the hook needs a fresh leaf
+
+
+class WithConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.const = MakesConstant()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return (self.fc(x) * self.const(x)).sum()
+
+
+def test_gradient_at_an_output_that_needs_no_grad():
+    model = WithConstant().double()
+    x = torch.randn(3, 2, dtype=torch.float64)
+    _, modules = jtt.grad(model, x, where=["const", "fc"])
+    fc_out = model.fc(x).detach().numpy()
+    np.testing.assert_allclose(modules["const"], fc_out, rtol=1e-12)
+    np.testing.assert_allclose(modules["fc"], np.full((3, 2), 3.0))
+
+
+class InPlaceInput(nn.Module):
+    """Relies on the in-place change of its input, without using the ReLU's return value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(3, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        self.act(h)
+        return self.fc2(h).sum()
+
+
+def test_inputs_of_in_place_modules():
+    torch.manual_seed(5)
+    model = InPlaceInput().double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    value, (params, modules) = jtt.value_and_grad(model, x, where=["act:in", "act", "fc1"])
+    # The forward pass still sees the in-place ReLU, and the gradients match plain autograd.
+    h = torch.relu(model.fc1(x))
+    assert value == pytest.approx(float(model.fc2(h).sum().detach()), rel=1e-14)
+    ref = torch.autograd.grad(model(x), [model.fc1.weight])[0]
+    np.testing.assert_allclose(params["fc1.weight"], ref.numpy(), rtol=1e-12)
+    g_out = model.fc2.weight.detach().numpy().repeat(6, 0)  # d loss / d act output
+    np.testing.assert_allclose(modules["act"], g_out, rtol=1e-12)
+    mask = model.fc1(x).detach().numpy() > 0
+    np.testing.assert_allclose(modules["act:in"], g_out * mask, rtol=1e-12)
+    np.testing.assert_allclose(modules["fc1"], g_out * mask, rtol=1e-12)
+
+
+def test_agrees_with_full_backward_hooks_where_they_work():
+    """An independent oracle for the naming and the at-this-point semantics: grad_output and
+    grad_input of register_full_backward_hook (no in-place ops in this model)."""
+    torch.manual_seed(6)
+    model = TorchBlock().double()
+    x = torch.randn(2, T, D, dtype=torch.float64, requires_grad=True)  # so ln1 has a grad_input
+    seen = {}
+    handles = [
+        model.get_submodule(p).register_full_backward_hook(
+            lambda m, gin, gout, p=p: seen.update({p: gout, p + ":in": gin})
+        )
+        for p in ("attn", "ln1", "mlp")
+    ]
+    torch.tanh(model(x)).sum().backward()
+    for h in handles:
+        h.remove()
+    _, modules = jtt.grad(model, x, loss=lambda y: torch.tanh(y).sum(), where=["attn", "ln1:in", "mlp", "mlp:in"])
+    for name in ("ln1:in", "mlp", "mlp:in"):
+        np.testing.assert_allclose(modules[name], seen[name][0].numpy(), rtol=1e-12, atol=1e-15)
+    out_grad, probs_grad = modules["attn"]
+    np.testing.assert_allclose(out_grad, seen["attn"][0].numpy(), rtol=1e-12)
+    assert seen["attn"][1] is None and np.abs(probs_grad).max() == 0  # dropped output: no gradient
+
+
+def test_where_selection_and_errors():
+    model = TorchMLP().double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    loss = lambda y: y.sum()  # noqa: E731
+    _, everything = jtt.grad(model, x, loss=loss)
+    assert list(everything) == ["layers.0", "layers.1", "layers.2", "layers.3", "layers.4", "layers", ""]  # call order
+    _, linear = jtt.grad(model, x, loss=loss, where=lambda p, m: isinstance(m, nn.Linear), inputs=True)
+    assert list(linear) == ["layers.0:in", "layers.0", "layers.2:in", "layers.2", "layers.4:in", "layers.4"]
+    _, one = jtt.grad(model, x, loss=loss, where="layers.3")
+    assert list(one) == ["layers.3"]
+    with pytest.raises(ValueError, match=r"no module at 'layers\.9'.*'layers\.4'"):
+        jtt.grad(model, x, loss=loss, where=["layers.9"])
+    with pytest.raises(ValueError, match="scalar floating loss"):
+        jtt.grad(model, x)
+    with pytest.raises(TypeError, match="where= must be"):
+        jtt.grad(model, x, loss=loss, where=[3])
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(2, 2)
+        self.spare = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.used(x).sum()
+
+
+def test_never_called_module_named_explicitly_is_an_error():
+    model = Unused().double()
+    x = torch.randn(1, 2, dtype=torch.float64)
+    _, modules = jtt.grad(model, x)  # where=None: modules that never run are simply absent
+    assert "spare" not in modules
+    with pytest.raises(ValueError, match="'spare' was selected but never called"):
+        jtt.grad(model, x, where=["used", "spare"])
+
+
+class Growing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(torch.cat([self.act(x), x], -1)).sum()
+
+
+def test_repeated_calls_with_different_shapes_are_an_error():
+    with pytest.raises(ValueError, match="'act' was called 2 times with different output shapes"):
+        jtt.grad(Growing(), torch.randn(1, 2))
+
+
+def test_leaves_grad_fields_and_frozen_parameters_alone():
+    model = TorchMLP().double()
+    model.layers[0].weight.requires_grad_(False)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    params, _ = jtt.grad(model, x, loss=lambda y: y.sum(), where=[])
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.layers[0].weight.requires_grad and model.layers[0].bias.requires_grad
+    model.layers[0].weight.requires_grad_(True)
+    ref = torch.autograd.grad(model(x).sum(), [model.layers[0].weight])[0]
+    np.testing.assert_allclose(params["layers.0.weight"], ref.numpy(), rtol=1e-12)  # frozen ones too
+    assert not any(h for m in model.modules() for h in (m._forward_hooks, m._forward_pre_hooks))
+
+
+# --- load_weights and named_grads ----------------------------------------------------
+
+
+def _layer_pairs():
+    k = _keys(8, seed=9)
+    return {
+        "linear": (nn.Linear(3, 4), eqx.nn.Linear(3, 4, key=k[0]), (2, 3)),
+        "linear_nobias": (nn.Linear(3, 4, bias=False), eqx.nn.Linear(3, 4, use_bias=False, key=k[1]), (2, 3)),
+        "conv2d": (nn.Conv2d(2, 3, 3, padding=1), eqx.nn.Conv2d(2, 3, 3, padding=1, key=k[2]), (2, 2, 5, 5)),
+        "conv1d": (nn.Conv1d(2, 3, 2), eqx.nn.Conv1d(2, 3, 2, key=k[3]), (2, 2, 5)),
+        "layernorm": (nn.LayerNorm(4), eqx.nn.LayerNorm(4), (2, 4)),
+        "embedding": (nn.Embedding(6, 3), eqx.nn.Embedding(6, 3, key=k[4]), None),
+        "grucell": (nn.GRUCell(3, 4), eqx.nn.GRUCell(3, 4, key=k[5]), (2, 3)),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_layer_pairs()))
+def test_load_weights_each_layer_gives_the_same_function(kind):
+    torch.manual_seed(7)
+    tlayer, jlayer, shape = _layer_pairs()[kind]
+    tlayer = tlayer.double()
+    with torch.no_grad():
+        for p in tlayer.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # LayerNorm starts at ones/zeros
+    jlayer = jtt.load_weights(jlayer, tlayer)
+    if kind == "embedding":
+        tx = torch.tensor([0, 5, 2])
+        targs, jargs = (tx,), (jnp.asarray(tx.numpy()),)
+    elif kind == "grucell":
+        tx, th = torch.randn(*shape, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+        targs, jargs = (tx, th), (jnp.asarray(tx.numpy()), jnp.asarray(th.numpy()))
+    else:
+        tx = torch.randn(*shape, dtype=torch.float64)
+        targs, jargs = (tx,), (jnp.asarray(tx.numpy()),)
+    expected = tlayer(*targs)
+    got = jax.vmap(jlayer)(*jargs)
+    np.testing.assert_allclose(np.asarray(got), expected.detach().numpy(), rtol=1e-12, atol=1e-14)
+    # named_grads is the adjoint: the same parameter gradients as torch for sum(out * w).
+    w = torch.randn_like(expected)
+    t_params, _ = jtt.grad(tlayer, *targs, loss=lambda y: (y * w).sum(), where=[])
+    params, static = eqx.partition(jlayer, eqx.is_inexact_array)
+    grads = jax.grad(lambda p: jnp.sum(jax.vmap(eqx.combine(p, static))(*jargs) * jnp.asarray(w.numpy())))(params)
+    jt.compare(jtt.named_grads(grads, tlayer), t_params, rtol=1e-12, atol=1e-14).assert_ok()
+
+
+class TorchNested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+        self.blocks = nn.ModuleList([nn.LayerNorm(2), nn.LayerNorm(2)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(2, 1)})
+        self.scale = nn.Parameter(torch.tensor([2.0, 3.0]))
+
+
+class JaxNested(eqx.Module):
+    seq: eqx.nn.Sequential
+    blocks: list
+    heads: dict
+    scale: jax.Array
+
+    def __init__(self, key, *, bad=False):
+        k = jax.random.split(key, 3)
+        self.seq = eqx.nn.Sequential(
+            [eqx.nn.Linear(2, 3, key=k[0]), eqx.nn.Lambda(jax.nn.relu), eqx.nn.Linear(3, 3 if bad else 2, key=k[1])]
+        )
+        self.blocks = [eqx.nn.LayerNorm(2), eqx.nn.LayerNorm(2)]
+        self.heads = {"a": eqx.nn.Linear(2, 1, key=k[2])}
+        self.scale = jnp.ones(2)
+
+
+def test_load_weights_whole_model_by_paths():
+    tmodel = TorchNested().double()
+    jmodel = JaxNested(_keys(1)[0])
+    loaded = jtt.load_weights(jmodel, tmodel)
+    named = {n: p.detach().numpy() for n, p in tmodel.named_parameters()}
+    got = jtt.named_grads(loaded, tmodel)  # the arrays themselves, renamed the torch way
+    assert list(got) == list(named)
+    jt.compare(got, named, rtol=0.0, atol=0.0).assert_ok()
+    assert loaded.seq.layers[2].weight.dtype == jnp.float64
+    assert jmodel.scale.tolist() == [1.0, 1.0]  # the original is untouched
+    assert jnp.array_equal(loaded.scale, jnp.array([2.0, 3.0]))
+
+
+def test_load_weights_errors_name_the_parameter():
+    tmodel = TorchNested().double()
+    with pytest.raises(ValueError, match=r"'seq\.2\.weight' has shape \(2, 3\).*shape \(3, 3\)"):
+        jtt.load_weights(JaxNested(_keys(1)[0], bad=True), tmodel)
+    with pytest.raises(ValueError, match=r"nothing called 'layers'"):
+        jtt.load_weights(JaxNested(_keys(1)[0]), TorchMLP())
+    with pytest.raises(ValueError, match=r"'bias'.*use_bias=False"):
+        jtt.load_weights(eqx.nn.Linear(2, 2, use_bias=False, key=_keys(1)[0]), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"hidden_size=4, bias=True in torch, but .*hidden_size=5"):
+        jtt.load_weights(eqx.nn.GRUCell(3, 5, key=_keys(1)[0]), nn.GRUCell(3, 4))
+
+
+def test_readme_example_runs(capsys):
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Checking against PyTorch", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out
+    assert "OK: 3/3 names match jax vs torch" in out and "OK: 4/4 names match" in out
