@@ -65,19 +65,23 @@ def define_primitive(name: str, *, impl, abstract_eval, jvp, batch, lowering, li
     prim.def_impl(impl)
     prim.def_abstract_eval(abstract_eval)
     _ad.primitive_jvps[prim] = jvp
-    if linearize is not None and hasattr(_ad, "primitive_linearizations"):
+    if linearize is not None and _LINEARIZATIONS is not None:
         if _LINEARIZE_TAKES_IS_VJP:  # JAX >= 0.8: rule(is_vjp, nonzeros, *primals, **params)
-            _ad.primitive_linearizations[prim] = lambda _is_vjp, nzs, *primals, **params: linearize(
-                nzs, *primals, **params
-            )
+            _LINEARIZATIONS[prim] = lambda _is_vjp, nzs, *primals, **params: linearize(nzs, *primals, **params)
         else:
-            _ad.primitive_linearizations[prim] = linearize
+            _LINEARIZATIONS[prim] = linearize
     _batching.primitive_batchers[prim] = batch
     _mlir.register_lowering(prim, lowering)
     return prim
 
 
-_LINEARIZE_TAKES_IS_VJP = "_is_vjp" in inspect.signature(_ad.fallback_linearize_rule).parameters
+# Direct linearization (JAX >= 0.5). Both uses below are optimizations: without
+# these names, primitives fall back to their JVP rules as before.
+_LINEARIZATIONS: dict = getattr(_ad, "primitive_linearizations", None)
+_LINEARIZE_TRACER = getattr(_ad, "LinearizeTracer", None)
+_LINEARIZE_TAKES_IS_VJP = hasattr(_ad, "fallback_linearize_rule") and (
+    "_is_vjp" in inspect.signature(_ad.fallback_linearize_rule).parameters
+)
 
 
 def is_zero(tangent) -> bool:
@@ -141,7 +145,9 @@ def _linearized_bind(primitive, params: dict, invals: Sequence[Any]):
     inlined: the program is the same, its tracing about twice as fast.
     Primitives with a linearize rule (``sin``, ``jit``, ``scan``...) are bound as they are.
     """
-    if primitive in _ad.primitive_linearizations or not any(isinstance(v, _ad.LinearizeTracer) for v in invals):
+    if _LINEARIZE_TRACER is None or primitive in _LINEARIZATIONS:
+        return None
+    if not any(isinstance(v, _LINEARIZE_TRACER) for v in invals):
         return None
     try:
         fn = _jitted_primitive(primitive, tuple(sorted(params.items())))
