@@ -60,7 +60,6 @@ TORCH, TORCH_PLAIN = "torch hooks", "torch plain"
 TARGETS = {
     "step": 1.02,  # step time, all tags captured
     "trace_compile": 1.15,  # trace + compile time
-    "temp": 1.0,  # compiled temp bytes
     "vs_hook": 1.3,  # hook-style time / jaxtrace time, at least
     "scaling_exponent": 1.15,  # fitted exponent of tracing time vs tags / steps, at most
 }
