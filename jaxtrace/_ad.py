@@ -22,6 +22,25 @@ def _perturb_site(site: Site, x, eps):
     return x if eps is None else perturb(x, eps)
 
 
+def _zero_inputs(sites) -> dict:
+    """``{key: zeros}`` for the differentiable sites, one array per shape and dtype.
+
+    ``perturb`` never reads its ``eps`` (only its tangent matters), so sites of
+    the same shape can share one zeros value: ``jax.vjp`` still gives each
+    input its own cotangent. One ``jnp.zeros`` per site was the largest
+    per-tag cost of tracing.
+    """
+    made: dict = {}
+    out = {}
+    for site in sites:
+        if site.differentiable:
+            kind = (site.shape, site.dtype)
+            if kind not in made:
+                made[kind] = site.zeros()
+            out[site.key] = made[kind]
+    return out
+
+
 def _normalize_argnums(argnums) -> tuple[int, ...]:
     if isinstance(argnums, int):
         return (argnums,)
@@ -34,7 +53,7 @@ def _normalize_argnums(argnums) -> tuple[int, ...]:
 def _split_for_reverse(fun, args, kwargs, argnums, tags, has_aux, with_values):
     """The split function for reverse mode: ``(args, eps) -> (out, (aux, tag_values))``, and its eps."""
     split = Split(fun, args, kwargs, argnums, tags)
-    eps = {s.key: s.zeros() for s in split.sites if s.differentiable}
+    eps = _zero_inputs(split.sites)
     outputs = split.keys if with_values else ()
 
     def run(diff_args, eps):

@@ -22,13 +22,21 @@ def _abstract_eval(x, eps):
     return x
 
 
+def _tangent(x_dot, eps_dot):
+    if _compat.is_zero(eps_dot):
+        return x_dot
+    if _compat.is_zero(x_dot):
+        return eps_dot
+    return lax.add(x_dot, eps_dot)
+
+
 def _jvp(primals, tangents):
     (x, _), (x_dot, eps_dot) = primals, tangents
-    if _compat.is_zero(eps_dot):
-        return x, x_dot
-    if _compat.is_zero(x_dot):
-        return x, eps_dot
-    return x, lax.add(x_dot, eps_dot)
+    return x, _tangent(x_dot, eps_dot)
+
+
+def _linearize(nonzeros, x, eps):
+    return x, any(nonzeros), (), lambda _, x_dot, eps_dot: _tangent(x_dot, eps_dot)
 
 
 def _batch(args, dims):
@@ -52,6 +60,7 @@ perturb_p = _compat.define_primitive(
     jvp=_jvp,
     batch=_batch,
     lowering=_lowering,
+    linearize=_linearize,
 )
 
 

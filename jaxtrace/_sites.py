@@ -150,7 +150,8 @@ def select(sites: dict, tags: TagSelection) -> list[Site]:
                 f"tags= must be None, a name, a sequence of names or a predicate; got {bad[0]!r} "
                 f"of type {type(bad[0]).__name__} in the sequence."
             )
-    unknown = [n for n in wanted if n not in names]
+    known_names, wanted_names = set(names), set(wanted)
+    unknown = [n for n in wanted if n not in known_names]
     if unknown:
         known = ", ".join(repr(n) for n in names) if names else "none"
         raise TagError(
@@ -158,7 +159,7 @@ def select(sites: dict, tags: TagSelection) -> list[Site]:
             f"Tags found: {known}. Check the name passed to jaxtrace.tag, and that the tagged "
             "value is computed inside the function being differentiated."
         )
-    chosen = [s for s in sites.values() if s.name in set(wanted)]
+    chosen = [s for s in sites.values() if s.name in wanted_names]
     for site in chosen:
         if site.problem:
             raise TagError(site.problem)

@@ -49,6 +49,10 @@ def _jvp(primals, tangents, **params):
     return tag_p.bind(x, **params), x_dot  # the tangent is not tagged
 
 
+def _linearize(nonzeros, x, **params):
+    return tag_p.bind(x, **params), nonzeros[0], (), lambda _, x_dot: x_dot
+
+
 def _batch(args, dims, *, batch_axes, **params):
     (x,), (d,) = args, dims
     if d is _compat.not_mapped:
@@ -70,6 +74,7 @@ tag_p = _compat.define_primitive(
     jvp=_jvp,
     batch=_batch,
     lowering=_lowering,
+    linearize=_linearize,
 )
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
