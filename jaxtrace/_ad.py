@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from . import _compat
 from ._perturb import perturb
 from ._sites import Site, TagSelection
 from ._split import Split
@@ -34,7 +35,7 @@ def _zero_inputs(sites) -> dict:
     out = {}
     for site in sites:
         if site.differentiable:
-            kind = (site.shape, site.dtype)
+            kind = (site.shape, site.dtype, _compat.sharding_key(site.aval))
             if kind not in made:
                 made[kind] = site.zeros()
             out[site.key] = made[kind]

@@ -107,6 +107,11 @@ def zeros(shape: tuple, dtype, aval) -> Any:
     return jax.numpy.zeros(shape, dtype, out_sharding=jax.sharding.PartitionSpec(*lead, *spec))
 
 
+def sharding_key(aval) -> tuple | None:
+    """What, beyond shape and dtype, tells ``zeros`` for two avals apart: their explicit sharding."""
+    return _explicit_spec(aval)
+
+
 def _explicit_spec(aval) -> tuple | None:
     """``aval``'s partition spec over the current mesh's explicit axes, or None if it has none."""
     mesh = jax.sharding.get_abstract_mesh()
