@@ -182,6 +182,28 @@ def explicit_mesh_cond():
 
 
 @check
+def explicit_mesh_same_shape_tags():
+    """Explicit axes: two tags of one shape but different shardings keep their own."""
+    mesh = mesh2d(AxisType.Explicit)
+
+    def f(x):
+        a = jt.tag(jnp.sin(x), "a")
+        b = jt.tag(jax.sharding.reshard(x, P("data", None)) * 2.0, "b")
+        return jnp.sum(a * b)
+
+    xs = np.linspace(-1.0, 2.0, 32).reshape(8, 4)
+    x = jax.device_put(xs, NamedSharding(mesh, P("data", "model")))
+    with jax.set_mesh(mesh):
+        plain_a = jax.jit(lambda x: jnp.sin(x))(x)
+        plain_b = jax.jit(lambda x: jax.sharding.reshard(x, P("data", None)) * 2.0)(x)
+        for wrap in (jax.jit, lambda f: f):
+            _, tag_grads = wrap(jt.grad(f))(x)
+            close(tag_grads, {"a": 2 * xs, "b": np.sin(xs)}, "tag gradients")
+            same_sharding(tag_grads["a"], plain_a, "a")
+            same_sharding(tag_grads["b"], plain_b, "b")
+
+
+@check
 def nested_jit_keeps_shardings():
     """A nested jax.jit with in/out shardings around a tag keeps them when split."""
     for mode in (AxisType.Auto, AxisType.Explicit):

@@ -22,6 +22,7 @@ CHECKS = [
     "model_parallel_auto",
     "model_parallel_explicit",
     "explicit_mesh_cond",
+    "explicit_mesh_same_shape_tags",
     "nested_jit_keeps_shardings",
     "shard_map_varying_values",
     "shard_map_replicated_value",
