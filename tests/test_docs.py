@@ -28,3 +28,10 @@ def test_readme_first_example_runs():
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_torch_module_docstring_examples():
+    pytest.importorskip("torch")
+    import jaxtrace.torch
+
+    assert doctest.testmod(jaxtrace.torch, optionflags=doctest.ELLIPSIS).failed == 0
