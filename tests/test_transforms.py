@@ -69,19 +69,22 @@ def test_fori_loop_static_bounds_and_lax_map(maybe_jit):
     def f(x, eps=None):
         def body(i, c):
             c = jnp.sin(c) * 1.5
-            return jt.tag(c, "c") if eps is None else c + eps[i]
+            return jt.tag(c, "c") if eps is None else c + eps["c"][i]
 
         c = lax.fori_loop(0, 4, body, x)
-        m = lax.map(lambda r: jt.tag(r * 2.0, "m") if eps is None else r * 2.0 + eps_m(r), c[None].repeat(2, 0))
+
+        def row(inp):
+            r, i = inp
+            m = r * jnp.cos(r)
+            return jt.tag(m, "m") if eps is None else m + eps["m"][i]
+
+        m = lax.map(row, (c[None] * jnp.arange(1.0, 3.0)[:, None], jnp.arange(2)))
         return jnp.sum(m * c)
 
-    eps_m = lambda r: 0.0  # noqa: E731  (the map oracle is checked separately below)
     x = jnp.linspace(0.1, 0.4, 3)
     _, tag_grads = maybe_jit(jt.grad(f))(x)
-    assert_trees_close(tag_grads["c"], jax.grad(lambda e: f(x, e))(jnp.zeros((4, 3))))
-    c = f.__code__ and None  # noqa: F841
-    final_c = lax.fori_loop(0, 4, lambda i, c: jnp.sin(c) * 1.5, x)
-    assert_trees_close(tag_grads["m"], jnp.broadcast_to(final_c, (2, 3)))  # d/dm sum(m * c) = c
+    expected = jax.grad(lambda e: f(x, e))({"c": jnp.zeros((4, 3)), "m": jnp.zeros((2, 3))})
+    assert_trees_close(tag_grads, expected)
 
 
 def test_vmap_inside_gives_per_example_axis(maybe_jit):
