@@ -20,9 +20,6 @@ from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-MIN_JAX = (0, 7, 2)
-
 Primitive = _core.Primitive
 Literal = _core.Literal
 DropVar = _core.DropVar
@@ -86,10 +83,6 @@ _LINEARIZE_TAKES_IS_VJP = hasattr(_ad, "fallback_linearize_rule") and (
 
 def is_zero(tangent) -> bool:
     return isinstance(tangent, Zero)
-
-
-def zero_tangent_like(aval) -> Any:
-    return Zero(aval.to_tangent_aval())
 
 
 def zeros(shape: tuple, dtype, aval) -> Any:
@@ -331,10 +324,6 @@ def shard_map(f, *, mesh, in_specs, out_specs, axis_names, check_vma):
     return jax.shard_map(
         f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axis_names), check_vma=check_vma
     )
-
-
-def while_bodies(eqn) -> list[Any]:
-    return [eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]]
 
 
 # Primitive names, by role. Several have been renamed across JAX releases.

@@ -104,7 +104,7 @@ def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
     def site_fn(site: Site, x, replacement):
         if site.name in functions:
             replacement = functions[site.name](x)
-            _check_leaf(site, jnp.shape(x), replacement, jnp.shape(x))
+            _check_leaf(site, jnp.shape(x), replacement)
             replacement = jnp.asarray(replacement, x.dtype)
         return retag(site, replacement)
 
@@ -133,18 +133,18 @@ def _program_inputs(sites: list[Site], value) -> dict:
         )
     inputs = {}
     for site, leaf in zip(sites, leaves):
-        leaf = _check_leaf(site, site.user_shape(), leaf, site.user_shape())
+        leaf = _check_leaf(site, site.user_shape(), leaf)
         inputs[site.key] = site.from_user(jnp.asarray(leaf, site.dtype))
     return inputs
 
 
-def _check_leaf(site: Site, expected_shape, leaf, shape_for_message):
+def _check_leaf(site: Site, expected_shape, leaf):
     shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
     weak = not hasattr(leaf, "dtype") or getattr(getattr(leaf, "aval", None), "weak_type", False)
     if tuple(shape) != tuple(expected_shape) or (dtype != site.dtype and not weak):
         raise TagError(
             f"jaxtrace.patch: the replacement for tag {site.name!r} (at {site.where}) has shape {tuple(shape)} "
-            f"and dtype {dtype}, but the tag holds shape {tuple(shape_for_message)} and dtype {site.dtype} "
+            f"and dtype {dtype}, but the tag holds shape {tuple(expected_shape)} and dtype {site.dtype} "
             "(loop axes first, then vmap axes). Pass a value of that shape and dtype."
         )
     return leaf

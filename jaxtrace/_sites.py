@@ -92,7 +92,7 @@ def with_problem(site: Site, problem: str) -> Site:
     return site if site.problem else dataclasses.replace(site, problem=problem)
 
 
-def stack_calls(sites: Sequence[Site], construct: str) -> Site:
+def stack_calls(sites: Sequence[Site]) -> Site:
     """One site from several calls of one tag at the same level (call order)."""
     first = sites[0]
     if not all(s.repeated for s in sites):

@@ -65,7 +65,7 @@ class Program:
             eqn_sites.append(inside)
             for key, site in inside.items():
                 calls.setdefault(key, []).append(site)
-        sites = {key: found[0] if len(found) == 1 else stack_calls(found, "calls") for key, found in calls.items()}
+        sites = {key: found[0] if len(found) == 1 else stack_calls(found) for key, found in calls.items()}
         return Level(eqn_sites, sites, {key: len(found) for key, found in calls.items()})
 
     def _eqn_sites(self, eqn) -> dict:

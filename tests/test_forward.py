@@ -113,9 +113,6 @@ def test_patch_stacked_replacement_in_scan(maybe_jit):
     s_new = jnp.linspace(0, 1, 20).reshape(5, 4)
 
     def by_hand(w, x):
-        def mark(v, n):
-            return v
-
         h = jnp.tanh(x @ w)
         ys = jnp.sum(s_new, axis=1)
         return jnp.sum(ys) + jnp.sum(h**2) + jnp.sum(s_new[-1])
