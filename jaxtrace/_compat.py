@@ -49,36 +49,100 @@ def unknown_layout(what: str) -> UnknownLayoutError:
 # --- primitives -----------------------------------------------------------
 
 
-def define_primitive(name: str, *, impl, abstract_eval, jvp, batch, lowering, linearize=None) -> Primitive:
+def define_primitive(
+    name: str, *, impl, abstract_eval, jvp, batch, lowering, linearize=None, transpose=None, jet=None
+) -> Primitive:
     """A new primitive with all its rules, registered with JAX.
+
+    ``transpose(ct, *args, **params)`` is its transpose rule where it is
+    linear (``jax.linear_transpose``, a custom JVP rule's tangent);
+    ``jet(primals, series, **params)`` its ``jax.experimental.jet`` rule.
 
     ``linearize(nonzeros, *primals, **params) -> (primal_out, nonzero_out,
     residuals, linearized)`` with ``linearized(residuals, *tangents)``: a
-    direct rule for ``jax.linearize`` / ``jax.vjp``. Without one JAX traces the
-    JVP rule into a jaxpr and partially evaluates it at every bind, which costs
-    far more Python time than the primitive's work.
+    direct rule for ``jax.linearize`` / ``jax.vjp``, written once in this
+    version-neutral form and adapted here to the installed JAX's layout.
+    Without one JAX traces the JVP rule into a jaxpr and partially evaluates it
+    at every bind, which costs far more Python time than the primitive's work.
     """
     prim = Primitive(name)
     prim.def_impl(impl)
     prim.def_abstract_eval(abstract_eval)
     _ad.primitive_jvps[prim] = jvp
-    if linearize is not None and _LINEARIZATIONS is not None:
-        if _LINEARIZE_TAKES_IS_VJP:  # JAX >= 0.8: rule(is_vjp, nonzeros, *primals, **params)
-            _LINEARIZATIONS[prim] = lambda _is_vjp, nzs, *primals, **params: linearize(nzs, *primals, **params)
-        else:
-            _LINEARIZATIONS[prim] = linearize
+    if linearize is not None and _LINEARIZE_LAYOUT is not None:
+        _LINEARIZATIONS[prim] = _adapt_linearize(linearize, *_LINEARIZE_LAYOUT)
     _batching.primitive_batchers[prim] = batch
     _mlir.register_lowering(prim, lowering)
+    if transpose is not None:
+        _ad.primitive_transposes[prim] = transpose
+    if jet is not None:
+        from jax.experimental import jet as _jet  # imported here: only primitives with a jet rule need it
+
+        _jet.jet_rules[prim] = jet
     return prim
+
+
+def _adapt_linearize(rule, takes_is_vjp: bool, structured: bool):
+    """``rule`` in the calling convention of the installed JAX's linearize rules."""
+    if structured:  # JAX >= 0.11.1: five results, linearized(residuals, structured, *tangents)
+
+        def five(_is_vjp, nonzeros, *primals, **params):
+            out, nz_out, residuals, linearized = rule(nonzeros, *primals, **params)
+            return out, nz_out, residuals, None, lambda res, _structured, *t: linearized(res, *t)
+
+        return five
+    if takes_is_vjp:  # JAX 0.8 - 0.11.0: rule(is_vjp, nonzeros, *primals, **params)
+        return lambda _is_vjp, nonzeros, *primals, **params: rule(nonzeros, *primals, **params)
+    return rule  # JAX 0.7
+
+
+def _linearize_layout() -> tuple[bool, bool] | None:
+    """``(takes_is_vjp, structured)``: how the installed JAX calls a linearize rule.
+
+    Read from JAX's own source (the call in ``LinearizeTrace.process_primitive``),
+    not guessed from the version number. A layout we do not recognise gives
+    None: jaxtrace then registers no linearize rules, and JAX uses the JVP
+    rules, which are slower to trace but give the same program.
+    """
+    import ast
+    import textwrap
+
+    trace = getattr(_ad, "LinearizeTrace", None)
+    if _LINEARIZATIONS is None or trace is None:
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(trace.process_primitive)))
+    except (OSError, TypeError, SyntaxError):  # pragma: no cover - no source shipped
+        return None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id == "lin"
+            and isinstance(node.targets[0], ast.Tuple)
+        ):
+            n_results = len(node.targets[0].elts)
+            first = node.value.args[0] if node.value.args else None
+            takes_is_vjp = isinstance(first, ast.Attribute) and first.attr == "is_vjp"
+            if n_results == 5 and takes_is_vjp:
+                return True, True
+            if n_results == 4:
+                return takes_is_vjp, False
+            return None
+    return None
 
 
 # Direct linearization (JAX >= 0.5). Both uses below are optimizations: without
 # these names, primitives fall back to their JVP rules as before.
 _LINEARIZATIONS: dict = getattr(_ad, "primitive_linearizations", None)
 _LINEARIZE_TRACER = getattr(_ad, "LinearizeTracer", None)
-_LINEARIZE_TAKES_IS_VJP = hasattr(_ad, "fallback_linearize_rule") and (
-    "_is_vjp" in inspect.signature(_ad.fallback_linearize_rule).parameters
-)
+_LINEARIZE_LAYOUT = _linearize_layout()
+
+
+def jit_disabled() -> bool:
+    """Whether ``jax.disable_jit()`` is in force."""
+    return bool(jax.config.jax_disable_jit)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def is_zero(tangent) -> bool:

@@ -22,6 +22,7 @@ import os
 from typing import Mapping, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 try:
     import matplotlib
@@ -54,7 +55,7 @@ def _colors(n: int):
     return [cmap(0.9 * i / max(n - 1, 1)) for i in range(n)]
 
 
-def _positive(values: np.ndarray) -> np.ndarray:
+def _positive(values: ArrayLike) -> np.ndarray:
     """Values for a log axis: non-positive and non-finite entries become nan (gaps)."""
     values = np.asarray(values, dtype=np.float64)
     return np.where(np.isfinite(values) & (values > 0), values, np.nan)
@@ -255,7 +256,8 @@ def overlay(
         if i >= n:
             continue
         image = np.asarray(images[i], dtype=np.float64)
-        h, w = image.shape[:2]
+        # 2 or 3 axes; NumPy >= 2.5's stubs guess a 1-D array from asarray of an untyped value.
+        h, w = image.shape[:2]  # pyright: ignore[reportAssignmentType]
         lo, hi = np.nanmin(image), np.nanmax(image)
         image = (image - lo) / (hi - lo) if hi > lo else np.zeros_like(image)
         ax.imshow(image, cmap="gray" if image.ndim == 2 else None, extent=(0, w, h, 0), interpolation="nearest")
