@@ -15,7 +15,7 @@ import jax
 
 from . import _compat
 from ._perturb import perturb
-from ._sites import Site, TagSelection
+from ._sites import Site, TagSelection, check_callable, check_tags
 from ._split import Split
 
 
@@ -59,7 +59,16 @@ def _split_for_reverse(fun, args, kwargs, argnums, tags, has_aux, with_values):
 
     def run(diff_args, eps):
         result, values = split(diff_args, _perturb_site, eps, outputs)
-        out, aux = result if has_aux else (result, None)
+        if not has_aux:
+            return result, (None, values)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2):
+            raise TypeError(
+                "expected function with aux output to return a two-element tuple, but got type "
+                f"{type(result)} with value {result}. This comes from jaxtrace.grad, value_and_grad or vjp "
+                "with has_aux=True, which (as jax.grad) expects the function to return (output, aux): "
+                "return such a pair, or drop has_aux=True."
+            )
+        out, aux = result
         return out, (aux, values)
 
     return split, run, eps
@@ -95,6 +104,8 @@ def value_and_grad(
         >>> tag_grads["h"].shape
         (4, 2)
     """
+    check_callable(fun, "jaxtrace.value_and_grad")
+    check_tags(tags)
     nums = _normalize_argnums(argnums)
 
     @functools.wraps(fun)
@@ -132,6 +143,7 @@ def grad(
         >>> float(grads), float(tag_grads["h"])
         (18.0, 6.0)
     """
+    check_callable(fun, "jaxtrace.grad")
     value_and_grad_fun = value_and_grad(fun, argnums, has_aux=has_aux, tags=tags, with_values=with_values)
 
     @functools.wraps(fun)
@@ -162,6 +174,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection 
         >>> tag_cts["h"].tolist(), x_ct.tolist()
         ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
     """
+    check_callable(fun, "jaxtrace.vjp")
     split, run, eps = _split_for_reverse(fun, primals, {}, tuple(range(len(primals))), tags, has_aux, with_values)
     out, pullback, (aux, values) = jax.vjp(run, split.args, eps, has_aux=True)
     vjp_fn = jax.tree_util.Partial(functools.partial(_split_cotangents, split.tag_tree), pullback)

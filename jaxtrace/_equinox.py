@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union, cast
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
 from ._ad import value_and_grad
-from ._sites import TagSelection
+from ._sites import TagSelection, check_callable, check_tags
 from ._tag import tag
 
 Where = Union[None, str, Sequence[str], Callable[[str, eqx.Module], bool]]
@@ -37,6 +37,7 @@ INPUT_SUFFIX = ":in"
 
 
 def _hashable_tags(tags: TagSelection) -> TagSelection:
+    check_tags(tags)
     if tags is None or isinstance(tags, str) or callable(tags):
         return tags
     return tuple(tags)
@@ -79,7 +80,9 @@ class _FilterGrad(eqx.Module):
 
     @property
     def __wrapped__(self):
-        return self._value_and_grad.__wrapped__
+        # An eqx field is an instance attribute: _FilterValueAndGrad.__get__ (a bound method's
+        # Partial) never applies to it, though the checker assumes it does.
+        return self._value_and_grad.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
 
     def __call__(self, *args, **kwargs):
         value, grads = self._value_and_grad(*args, **kwargs)
@@ -107,6 +110,7 @@ def filter_value_and_grad(fun: Callable, *, has_aux: bool = False, tags: TagSele
         >>> sorted(tag_grads), tag_grads["layers.0"].shape
         (['', 'layers.0', 'layers.1', 'layers.2'], (4,))
     """
+    check_callable(fun, "jaxtrace.filter_value_and_grad")
     wrapper = _FilterValueAndGrad(fun, bool(has_aux), _hashable_tags(tags))
     return eqx.module_update_wrapper(wrapper, fun)
 
@@ -126,7 +130,10 @@ def filter_grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = No
         >>> tag_grads[""].tolist()
         [1.0, 1.0]
     """
-    wrapper = _FilterGrad(filter_value_and_grad(fun, has_aux=has_aux, tags=tags), bool(has_aux))
+    check_callable(fun, "jaxtrace.filter_grad")
+    # filter_value_and_grad returns its _FilterValueAndGrad (module_update_wrapper keeps the type).
+    value_and_grad_fun = cast(_FilterValueAndGrad, filter_value_and_grad(fun, has_aux=has_aux, tags=tags))
+    wrapper = _FilterGrad(value_and_grad_fun, bool(has_aux))
     return eqx.module_update_wrapper(wrapper, fun)
 
 
@@ -142,7 +149,10 @@ class _ModuleTag:
 
 
 def _taggable(x) -> bool:
-    return eqx.is_array(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    # jax.dtypes.issubdtype is public; JAX re-exports it without `as`, which the checker reads as private.
+    return eqx.is_array(x) and not jax.dtypes.issubdtype(  # pyright: ignore[reportPrivateImportUsage]
+        x.dtype, jax.dtypes.prng_key
+    )
 
 
 def _is_state(x) -> bool:
@@ -281,7 +291,7 @@ def _rebuild(module: eqx.Module, path: str, specs: dict) -> eqx.Module:
     if spec is None and not replaced:
         return module
     cls = type(module) if spec is None else _tagged_class(type(module))
-    out = object.__new__(cls)
+    out: Any = object.__new__(cls)  # an instance of cls (the checker types its __dict__ as a class's)
     out.__dict__.update(module.__dict__)
     out.__dict__.update(replaced)
     if spec is not None:

@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._sites import Site, TagError, TagSelection
+from ._sites import Site, TagError, TagSelection, check_callable, check_tags
 from ._split import Split
-from ._tag import retag
 
 
 def _is_array(leaf) -> bool:
@@ -20,7 +19,7 @@ def _is_array(leaf) -> bool:
 
 
 def _keep(site: Site, x, _):
-    return retag(site, x)
+    return x
 
 
 def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
@@ -41,6 +40,8 @@ def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
         >>> values["double"].tolist()
         [0.0, 2.0, 4.0]
     """
+    check_callable(fun, "jaxtrace.capture")
+    check_tags(tags)
 
     @functools.wraps(fun)
     def captured(*args, **kwargs):
@@ -65,6 +66,7 @@ def jvp(fun: Callable, primals, tangents, *, tags: TagSelection = None):
         >>> float(out_dot), float(tag_dots["h"])
         (3.0, 3.0)
     """
+    check_callable(fun, "jaxtrace.jvp")
     primals, tangents = tuple(primals), tuple(tangents)
     split = Split(fun, primals, {}, range(len(primals)), tags)
 
@@ -95,6 +97,7 @@ def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
         >>> float(jt.patch(f, {"double": lambda v: 10 * v})(jnp.ones(3)))
         60.0
     """
+    check_callable(fun, "jaxtrace.patch")
     replacements = dict(replacements)
     for name in replacements:
         if not isinstance(name, str):
@@ -106,7 +109,7 @@ def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
             replacement = functions[site.name](x)
             _check_leaf(site, jnp.shape(x), replacement)
             replacement = jnp.asarray(replacement, x.dtype)
-        return retag(site, replacement)
+        return replacement
 
     @functools.wraps(fun)
     def patched(*args, **kwargs):

@@ -35,6 +35,8 @@ class Site:
     repeated: bool
     sources: tuple  # user source lines of the tag
     problem: str | None = None  # why this site cannot be split, if it cannot
+    identity: tuple = ()  # the jt.tag calls it holds (copies made by JAX share them)
+    ncalls: int = 0  # >0: the first stack axis enumerates that many repeated calls
 
     @property
     def key(self) -> Key:
@@ -71,7 +73,8 @@ class Site:
 
     def from_user(self, value):
         perm = self._perm()
-        return value if perm is None else jnp.transpose(value, np.argsort(perm))
+        # jnp.transpose takes an int array for axes; its stub says Sequence[int].
+        return value if perm is None else jnp.transpose(value, np.argsort(perm))  # pyright: ignore[reportArgumentType]
 
     def user_shape(self) -> tuple:
         perm = self._perm()
@@ -85,32 +88,105 @@ class Site:
         return np.zeros(self.user_shape(), dtype=_compat.float0)
 
     def describe(self) -> str:
-        return f"{self.aval.str_short()} at {self.where}"
+        loops = f" with leading axes {self.stack}" if self.stack else ""
+        return f"{self.aval.str_short()}{loops} at {self.where}"
+
+    def units(self) -> int:
+        """How many calls it contributes when stacked with other calls of its name."""
+        return self.ncalls or 1
+
+    def unit(self) -> tuple:
+        """What must agree between calls to stack them: one call's layout."""
+        stack = self.stack[1:] if self.ncalls else self.stack
+        return (stack, self.aval.shape, self.dtype, self.batch_axes, self.tree)
 
 
 def with_problem(site: Site, problem: str) -> Site:
     return site if site.problem else dataclasses.replace(site, problem=problem)
 
 
-def stack_calls(sites: Sequence[Site]) -> Site:
-    """One site from several calls of one tag at the same level (call order)."""
-    first = sites[0]
-    if not all(s.repeated for s in sites):
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one equation's copy of a site sits in the site's stacked calls.
+
+    ``start:stop`` are its calls (``index`` alone where it is a single call);
+    ``primary`` is False for a copy that JAX made of calls seen before (the
+    forward pass rematerialised in a backward pass): it gets the same inputs,
+    and its values are not read again.
+    """
+
+    start: int | None = None
+    stop: int | None = None
+    spliced: bool = False
+    primary: bool = True
+
+    def take(self, value):
+        if self.start is None:
+            return value
+        return value[self.start : self.stop] if self.spliced else value[self.start]
+
+
+def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
+    """One site from every equation of one level that holds a tag name's leaf.
+
+    Equations holding the same ``jt.tag`` calls (``identity``) are copies of
+    one another, as JAX makes them: one site. Distinct calls are stacked in
+    call order, which needs ``repeated=True``; calls already stacked inside a
+    nested ``jax.jit`` or ``jax.checkpoint`` are spliced in, not nested.
+    """
+    distinct: dict = {}
+    for site in sites:
+        distinct.setdefault(site.identity or id(site), site)
+    firsts = list(distinct.values())
+    if len(firsts) == 1:
+        seen = set()
+        slots = []
+        for site in sites:
+            slots.append(Slot(primary=(site.identity or id(site)) not in seen))
+            seen.add(site.identity or id(site))
+        return firsts[0], slots
+    first = firsts[0]
+    sources = tuple(dict.fromkeys(src for s in firsts for src in s.sources))
+    if not all(s.repeated for s in firsts):
         problem = (
-            f"The tag name {first.name!r} is used at {len(sites)} sites ({', '.join(s.where for s in sites)}). "
+            f"The tag name {first.name!r} is used at {len(firsts)} sites ({', '.join(s.where for s in firsts)}). "
             "Give each site its own name, or pass repeated=True to jaxtrace.tag to stack the calls "
             "in call order."
         )
-    elif len({(s.shape, s.dtype, s.batch_axes, s.tree) for s in sites}) > 1:
+        if _compat.jit_disabled():
+            problem += (
+                " Under jax.disable_jit() lax.scan and fori_loop run as Python loops, which call jt.tag once "
+                "per step: run without disable_jit to get the per-step stack."
+            )
+    elif len({s.unit() for s in firsts}) > 1:
         problem = (
-            f"The repeated tag {first.name!r} is called with different shapes or structures "
-            f"({'; '.join(s.describe() for s in sites)}), so its calls cannot be stacked. "
-            "Use a different name for each shape."
+            f"The repeated tag {first.name!r} is called with different shapes, structures or loop axes "
+            f"({'; '.join(s.describe() for s in firsts)}), so its calls cannot be stacked. "
+            "Use a different name for each shape, or call it at one loop depth."
         )
     else:
-        problem = next((s.problem for s in sites if s.problem), None)
-    sources = tuple(dict.fromkeys(src for s in sites for src in s.sources))
-    return dataclasses.replace(first, stack=(len(sites), *first.stack), sources=sources, problem=problem)
+        problem = next((s.problem for s in firsts if s.problem), None)
+    ranges, count = {}, 0
+    for key, site in distinct.items():
+        ranges[key] = (count, count + site.units(), bool(site.ncalls))
+        count += site.units()
+    seen = set()
+    slots = []
+    for site in sites:
+        key = site.identity or id(site)
+        start, stop, spliced = ranges[key]
+        slots.append(Slot(start, stop if spliced else start + 1, spliced, key not in seen))
+        seen.add(key)
+    stack = first.stack[1:] if first.ncalls else first.stack
+    merged = dataclasses.replace(
+        first,
+        stack=(count, *stack),
+        sources=sources,
+        problem=problem,
+        identity=tuple(i for s in firsts for i in (s.identity or ())),
+        ncalls=count,
+    )
+    return merged, slots
 
 
 def merge_branches(sites: Sequence[Site], where: str) -> Site:
@@ -123,7 +199,8 @@ def merge_branches(sites: Sequence[Site], where: str) -> Site:
             f"The tag {first.name!r} has different shapes in the branches of the cond at {where} "
             f"({'; '.join(s.describe() for s in sites)}). Use one name per shape."
         )
-    return dataclasses.replace(first, sources=sources, problem=problem)
+    identity = tuple(i for s in sites for i in s.identity)
+    return dataclasses.replace(first, sources=sources, problem=problem, identity=identity)
 
 
 # --- selection ------------------------------------------------------------
@@ -133,8 +210,36 @@ def tag_names(sites: Iterable[Site]) -> list[str]:
     return list(dict.fromkeys(s.name for s in sites))
 
 
+def check_callable(fun, where: str) -> None:
+    """Raises as ``jax.grad(3.0)`` does when ``fun`` is not a function; ``where`` is e.g. ``"jaxtrace.grad"``."""
+    if not callable(fun):
+        raise TypeError(
+            f"Expected a callable value, got {fun!r}. {where} takes the function itself as its first "
+            "argument, not a value computed by it: pass f, not f(x)."
+        )
+
+
+def check_tags(tags: TagSelection) -> None:
+    """Raises a ``TypeError`` if ``tags=`` is none of the accepted forms (the names in a sequence are checked by ``select``)."""
+    if tags is None or isinstance(tags, str) or callable(tags):
+        return
+    if isinstance(tags, (bytes, bytearray, memoryview)):
+        hint = f" Decode it to a str first: tags={bytes(tags).decode(errors='replace')!r}."
+    elif isinstance(tags, (bool, np.bool_)):
+        hint = " Pass tags=None for every tag."
+    elif not isinstance(tags, Iterable):
+        hint = ' For one tag pass its name (tags="h"), for several a list of names (tags=["h", "out"]).'
+    else:
+        return
+    raise TypeError(
+        "tags= must be None (every tag), a tag name, a sequence of names or a predicate on names "
+        f"(name -> bool); got {tags!r} of type {type(tags).__name__}.{hint}"
+    )
+
+
 def select(sites: dict, tags: TagSelection) -> list[Site]:
     """The sites that ``tags=`` asks for; raises for unknown names and unsplittable sites."""
+    check_tags(tags)
     names = tag_names(sites.values())
     if tags is None:
         wanted = names

@@ -28,7 +28,7 @@ from jax import lax
 
 from . import _compat
 from ._sites import Site, assemble, merge_branches, select, stack_calls, with_problem
-from ._tag import is_tag
+from ._tag import is_tag, tag_p
 
 SiteFn = Callable[[Site, Any, Any], Any]  # (site, value at the tag, input or None) -> new value
 _NO_SITES: dict = {}
@@ -40,7 +40,7 @@ class Level:
 
     eqn_sites: list  # per equation: {key: Site} of the tags inside it
     sites: dict  # {key: Site}, repeated calls stacked
-    calls: dict  # {key: number of equations that contain it}
+    slots: list  # per equation: {key: Slot}, where its copy of the site sits in ``sites[key]``
 
 
 class Program:
@@ -59,14 +59,19 @@ class Program:
         return entry[1]
 
     def _build_level(self, jaxpr) -> Level:
-        eqn_sites, calls = [], {}
-        for eqn in jaxpr.eqns:
+        eqn_sites, found = [], {}
+        for i, eqn in enumerate(jaxpr.eqns):
             inside = self._eqn_sites(eqn)
             eqn_sites.append(inside)
             for key, site in inside.items():
-                calls.setdefault(key, []).append(site)
-        sites = {key: found[0] if len(found) == 1 else stack_calls(found) for key, found in calls.items()}
-        return Level(eqn_sites, sites, {key: len(found) for key, found in calls.items()})
+                found.setdefault(key, []).append((i, site))
+        sites: dict = {}
+        slots: list = [{} for _ in jaxpr.eqns]
+        for key, occurrences in found.items():
+            sites[key], key_slots = stack_calls([site for _, site in occurrences])
+            for (i, _), slot in zip(occurrences, key_slots):
+                slots[i][key] = slot
+        return Level(eqn_sites, sites, slots)
 
     def _eqn_sites(self, eqn) -> dict:
         if is_tag(eqn):
@@ -80,6 +85,7 @@ class Program:
                 batch_axes=p["batch_axes"],
                 repeated=p["repeated"],
                 sources=(_compat.source_line(eqn),),
+                identity=(p["call"],),
             )
             return {site.key: site}
         rule = RULES.get(eqn.primitive.name)
@@ -115,37 +121,39 @@ class Splitter:
             env[var] = value
         for var, value in zip(jaxpr.invars, args):
             env[var] = value
-        calls_seen: dict = {}
         outputs: dict = {}
-        for eqn, inside in zip(jaxpr.eqns, level.eqn_sites):
+        for eqn, inside, slots in zip(jaxpr.eqns, level.eqn_sites, level.slots):
             invals = [_compat.read(env, v) for v in eqn.invars]
             active = {k: s for k, s in inside.items() if k in self.sites} if inside else _NO_SITES
             if not active:
                 outvals = _compat.bind_equation(eqn, invals)
             else:
-                sub_inputs = {}
-                for key in active:
-                    call = calls_seen.get(key, 0)
-                    calls_seen[key] = call + 1
-                    if key in inputs:
-                        sub_inputs[key] = inputs[key][call] if level.calls[key] > 1 else inputs[key]
+                sub_inputs = {k: slots[k].take(inputs[k]) for k in active if k in inputs}
                 if is_tag(eqn):
                     (key,) = active
                     x = invals[0]
-                    outvals = [self.site_fn(self.sites[key], x, sub_inputs.get(key))]
+                    # The tag stays in place, so a transform around this one still finds it.
+                    outvals = [tag_p.bind(self.site_fn(self.sites[key], x, sub_inputs.get(key)), **eqn.params)]
                     sub_outputs = {key: x} if key in self.output_keys else _NO_SITES
                 else:
                     outvals, sub_outputs = RULES[eqn.primitive.name].evaluate(self, eqn, invals, sub_inputs, active)
                 for key, value in sub_outputs.items():
-                    outputs.setdefault(key, []).append(value)
+                    if slots[key].primary:  # a copy's values are those already read
+                        outputs.setdefault(key, []).append((slots[key], value))
             for var, value in zip(eqn.outvars, outvals):
                 _compat.write(env, var, value)
-        stacked = {k: jnp.stack(vs) if level.calls[k] > 1 else vs[0] for k, vs in outputs.items()}
-        return [_compat.read(env, v) for v in jaxpr.outvars], stacked
+        return [_compat.read(env, v) for v in jaxpr.outvars], {k: _stack(vs) for k, vs in outputs.items()}
 
     def output_zeros(self, active: dict) -> dict:
         """Zeros for the output sites among ``active`` (a cond branch that lacks them)."""
         return {k: _compat.zeros(s.shape, s.dtype, s.aval) for k, s in active.items() if k in self.output_keys}
+
+
+def _stack(values: list):
+    """One value from the values of a site's calls at one level, in call order."""
+    if len(values) == 1 and values[0][0].start is None:
+        return values[0][1]
+    return jnp.concatenate([v if slot.spliced else v[None] for slot, v in values])
 
 
 # --- rules, one per higher-order primitive ------------------------------------
@@ -167,7 +175,7 @@ class Scan(Rule):
     def sites(self, program, eqn):
         p = _compat.scan_params(eqn)
         inner = program.level(p.body).sites
-        return {k: dataclasses.replace(s, stack=(p.length, *s.stack)) for k, s in inner.items()}
+        return {k: dataclasses.replace(s, stack=(p.length, *s.stack), ncalls=0) for k, s in inner.items()}
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
         p = _compat.scan_params(eqn)
@@ -277,7 +285,7 @@ class ShardMap(Rule):
         p = _compat.shard_map_params(eqn)
         lead = tuple(p.mesh.shape[a] for a in p.axes)
         inner = program.level(p.body).sites
-        return {k: dataclasses.replace(s, stack=(*lead, *s.stack)) for k, s in inner.items()}
+        return {k: dataclasses.replace(s, stack=(*lead, *s.stack), ncalls=0) for k, s in inner.items()}
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
         p = _compat.shard_map_params(eqn)

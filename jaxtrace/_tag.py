@@ -9,6 +9,7 @@ traced program is split at these marks (see ``_split.py``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from typing import Any, TypeVar
@@ -63,6 +64,15 @@ def _batch(args, dims, *, batch_axes, **params):
     return tag_p.bind(x, batch_axes=(d, *shifted), **params), d
 
 
+def _transpose(ct, x, **params):
+    return [ct]  # an identity transposes to an identity; the cotangent is not tagged
+
+
+def _jet(primals, series, **params):
+    (x,), (terms,) = primals, series
+    return tag_p.bind(x, **params), terms
+
+
 def _lowering(ctx, x, **params):
     return [x]
 
@@ -75,7 +85,11 @@ tag_p = _compat.define_primitive(
     batch=_batch,
     lowering=_lowering,
     linearize=_linearize,
+    transpose=_transpose,
+    jet=_jet,
 )
+
+_CALLS = itertools.count()
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
@@ -120,8 +134,9 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
                 f"{type(leaf).__name__}, which is not an array. Tag only arrays (or pytrees of "
                 "arrays); mark other leaves static, e.g. with equinox.partition."
             )
+    call = next(_CALLS)  # one identity per call: JAX's copies of this equation keep it
     tagged = [
-        tag_p.bind(jnp.asarray(leaf), name=name, leaf=i, tree=tree, repeated=bool(repeated), batch_axes=())
+        tag_p.bind(jnp.asarray(leaf), name=name, leaf=i, tree=tree, repeated=bool(repeated), batch_axes=(), call=call)
         for i, leaf in enumerate(leaves)
     ]
     return jax.tree_util.tree_unflatten(tree, tagged)
@@ -129,10 +144,3 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
 
 def is_tag(eqn: Any) -> bool:
     return eqn.primitive is tag_p
-
-
-def retag(site: Any, value):
-    """Tag ``value`` again as ``site``'s leaf (keeps a split site visible to outer transforms)."""
-    return tag_p.bind(
-        value, name=site.name, leaf=site.leaf, tree=site.tree, repeated=site.repeated, batch_axes=site.batch_axes
-    )

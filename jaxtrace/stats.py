@@ -36,14 +36,14 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _ad
-from ._sites import TagSelection
+from ._sites import TagSelection, check_callable, check_tags
 
 STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
 """The statistics :func:`summarize` computes by default (all it knows)."""
@@ -52,20 +52,21 @@ LoopAxes = Union[int, Mapping[str, int], Callable[[str], int]]
 
 
 def summarize(
-    values: Mapping[str, Any], *, loop_axes: LoopAxes = 0, stats: Sequence[str] = STATS
+    values: Mapping[str, Any], *, loop_axes: LoopAxes = 0, stats: str | Sequence[str] = STATS
 ) -> dict[str, dict[str, jax.Array]]:
     """Per-tag summaries of gradients (or any arrays), for use inside ``jax.jit``.
 
     ``values`` is a dict ``{name: pytree of arrays}``, such as the
     ``tag_grads`` that ``jaxtrace.grad`` returns. Returns
-    ``{name: {stat: array}}`` with the statistics in ``stats`` (see
-    ``STATS``), each computed over all entries of all leaves of the tag except
-    its first ``loop_axes`` axes, which are kept: ``loop_axes`` is an int for
-    every tag, a dict ``{name: int}`` (missing names: 0) or a function of the
-    name. By jaxtrace's layout rule the leading axes of a tag's gradient are
-    its loop axes (outer loop first), then its vmap axes, so ``loop_axes=1``
-    for a tag in one ``lax.scan`` gives one value per step, and ``2`` for a
-    tag in a scan over a ``vmap`` gives one per step and example.
+    ``{name: {stat: array}}`` with the statistics in ``stats`` (one name
+    from ``STATS``, or a sequence of them), each computed over all entries of
+    all leaves of the tag except its first ``loop_axes`` axes, which are
+    kept: ``loop_axes`` is an int for every tag, a dict ``{name: int}``
+    (missing names: 0) or a function of the name. By jaxtrace's layout rule
+    the leading axes of a tag's gradient are its loop axes (outer loop
+    first), then its vmap axes, so ``loop_axes=1`` for a tag in one
+    ``lax.scan`` gives one value per step, and ``2`` for a tag in a scan over
+    a ``vmap`` gives one per step and example.
     :func:`value_and_grad` fills in the loop axes from the program itself.
 
     Norm, mean and max follow NumPy on non-finite input (``nan`` if any entry
@@ -80,17 +81,32 @@ def summarize(
         >>> s["h"]["norm"].tolist(), s["h"]["nonfinite"].tolist()
         ([5.0, inf], [0.0, 0.5])
     """
-    unknown = [s for s in stats if s not in STATS]
-    if unknown or isinstance(stats, str):
-        raise ValueError(
-            f"jaxtrace.stats.summarize: unknown statistic(s) {unknown or stats!r}; choose a sequence from {STATS}."
-        )
+    stats = _stat_names(stats)
     if not isinstance(values, Mapping):
         raise TypeError(
             "jaxtrace.stats.summarize takes a dict {name: pytree of arrays} (such as tag_grads), "
             f"got {type(values).__name__}. Wrap a single tree as {{'name': tree}}."
         )
-    return {name: _summarize_one(name, value, _axes_for(loop_axes, name), tuple(stats)) for name, value in values.items()}
+    return {name: _summarize_one(name, value, _axes_for(loop_axes, name), stats) for name, value in values.items()}
+
+
+def _stat_names(stats: str | Sequence[str]) -> tuple:
+    """``stats=`` as a tuple of known names; one name alone (``"norm"``) is a one-element tuple."""
+    if isinstance(stats, str):
+        stats = (stats,)
+    elif isinstance(stats, (bytes, bytearray)) or not isinstance(stats, Iterable):
+        raise TypeError(
+            f"jaxtrace.stats: stats= must be a statistic name or a sequence of names from {STATS}; "
+            f"got {stats!r} of type {type(stats).__name__}. Pass e.g. stats=\"norm\" or stats=(\"norm\", \"max_abs\")."
+        )
+    stats = tuple(stats)
+    unknown = [s for s in stats if s not in STATS]
+    if unknown:
+        raise ValueError(
+            f"jaxtrace.stats: unknown statistic(s) {', '.join(map(repr, unknown))}. Choose from {STATS}, "
+            "as one name or a sequence of names."
+        )
+    return stats
 
 
 def _axes_for(loop_axes: LoopAxes, name: str) -> int:
@@ -147,7 +163,8 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     if "max_abs" in stats:
         out["max_abs"] = max_abs
     if "nonfinite" in stats:
-        bad = sum(jnp.sum(~jnp.isfinite(m), axis=ax, dtype=jnp.int32) for m, ax in zip(mags, axes_of))
+        # An Array: mags is never empty (sum's int start only types the empty case).
+        bad = cast(jax.Array, sum(jnp.sum(~jnp.isfinite(m), axis=ax, dtype=jnp.int32) for m, ax in zip(mags, axes_of)))
         out["nonfinite"] = (bad / count if count else jnp.zeros(kept_shape)).astype(dtype)
     return {s: out[s] for s in stats}
 
@@ -167,7 +184,7 @@ def value_and_grad(
     *,
     has_aux: bool = False,
     tags: TagSelection = None,
-    stats: Sequence[str] = STATS,
+    stats: str | Sequence[str] = STATS,
     per_example: bool = False,
 ) -> Callable:
     """``jaxtrace.value_and_grad`` with each tag's gradient reduced by :func:`summarize`.
@@ -196,8 +213,10 @@ def value_and_grad(
         >>> s["h"]["norm"].shape    # one norm per scan step
         (5,)
     """
+    check_callable(fun, "jaxtrace.stats.value_and_grad")
+    check_tags(tags)
     nums = _ad._normalize_argnums(argnums)
-    summarize({}, stats=stats)  # check the statistic names now, not at the first call
+    stats = _stat_names(stats)  # check the statistic names now, not at the first call
 
     @functools.wraps(fun)
     def stats_fun(*args, **kwargs):
@@ -240,7 +259,7 @@ class History:
         self._scalars: dict[str, dict[int, float]] = {}
 
     def append(self, step: int, stats: Mapping[str, Mapping[str, Any]] | None = None, **scalars) -> None:
-        stats, scalars = jax.device_get((dict(stats or {}), scalars))
+        stats, scalars = cast("tuple[dict[str, Any], dict[str, Any]]", jax.device_get((dict(stats or {}), scalars)))
         row = len(self._steps)
         self._steps.append(int(step))
         for name, per_stat in stats.items():

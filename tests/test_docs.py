@@ -9,7 +9,9 @@ import pytest
 
 import jaxtrace
 
-MODULES = sorted({obj.__module__ for obj in vars(jaxtrace).values() if getattr(obj, "__module__", "").startswith("jaxtrace")})
+# dir() and getattr, not vars(): the equinox helpers are loaded on first access.
+PUBLIC = {name: getattr(jaxtrace, name) for name in dir(jaxtrace)}
+MODULES = sorted({obj.__module__ for obj in PUBLIC.values() if getattr(obj, "__module__", "").startswith("jaxtrace")})
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -19,7 +21,7 @@ def test_docstring_examples(module):
 
 
 def test_every_public_function_has_an_example():
-    for name, obj in vars(jaxtrace).items():
+    for name, obj in PUBLIC.items():
         if callable(obj) and not name.startswith("_") and not isinstance(obj, type):
             assert ">>>" in (obj.__doc__ or ""), f"jaxtrace.{name} has no example in its docstring"
 

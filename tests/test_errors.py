@@ -221,3 +221,100 @@ def test_non_scalar_output_is_an_error_as_in_jax_grad(wrap):
     assert re.sub(r"\s+", " ", message) == re.sub(r"\s+", " ", str(theirs.value))
     _, vjp_fn = jt.vjp(f, X)  # jt.vjp takes any output
     assert vjp_fn(jnp.ones(3))[1]["s"].shape == (3,)
+
+
+# --- misuse of the API: wrong argument types ------------------------------------------------
+
+
+def _tagged(x):
+    return jt.tag(x * 2.0, "h").sum()
+
+
+TAGS_CALLS = {
+    "grad": lambda tags: jt.grad(_tagged, tags=tags)(X),
+    "value_and_grad": lambda tags: jt.value_and_grad(_tagged, tags=tags)(X),
+    "vjp": lambda tags: jt.vjp(_tagged, X, tags=tags),
+    "capture": lambda tags: jt.capture(_tagged, tags=tags)(X),
+    "jvp": lambda tags: jt.jvp(_tagged, (X,), (X,), tags=tags),
+    "stats.value_and_grad": lambda tags: jt.stats.value_and_grad(_tagged, tags=tags)(X),
+}
+
+
+@pytest.mark.parametrize("call", list(TAGS_CALLS))
+@pytest.mark.parametrize("tags", [1, True, b"h"], ids=["int", "bool", "bytes"])
+def test_tags_of_the_wrong_type(call, tags):
+    raises(
+        TypeError,
+        lambda: TAGS_CALLS[call](tags),
+        "tags= must be None (every tag), a tag name, a sequence of names or a predicate on names",
+        f"got {tags!r} of type {type(tags).__name__}",
+    )
+
+
+def test_tags_as_bytes_suggests_decoding():
+    raises(TypeError, lambda: jt.grad(_tagged, tags=b"h"), "Decode it to a str first: tags='h'")
+
+
+def test_tags_of_the_wrong_type_fails_when_wrapping():
+    for wrapper in (jt.grad, jt.value_and_grad, jt.capture, jt.stats.value_and_grad):
+        raises(TypeError, lambda: wrapper(_tagged, tags=1), "tags=", "got 1 of type int")
+
+
+@pytest.mark.parametrize("result", [lambda y: y, lambda y: (y, 1.0, 2.0)], ids=["scalar", "three"])
+def test_has_aux_without_a_pair_is_an_error_as_in_jax_grad(wrap, result):
+    def f(x):
+        return result(_tagged(x))
+
+    with pytest.raises(TypeError) as theirs:
+        jax.grad(f, has_aux=True)(X)
+    jax_sentence = str(theirs.value).split(", but got")[0]  # the rest names a tracer
+    calls = [
+        lambda: wrap(jt.grad(f, has_aux=True))(X),
+        lambda: wrap(jt.value_and_grad(f, has_aux=True))(X),
+        lambda: jt.vjp(f, X, has_aux=True),
+    ]
+    for call in calls:
+        raises(TypeError, call, jax_sentence, "jaxtrace.grad, value_and_grad or vjp", "drop has_aux=True")
+
+
+def test_has_aux_accepts_a_list_as_jax_grad_does():
+    (grads, tag_grads), aux = jt.grad(lambda x: [_tagged(x), x[0]], has_aux=True)(X)
+    assert float(aux) == 0.5
+    np.testing.assert_allclose(tag_grads["h"], np.ones(3))
+
+
+def test_stats_accepts_one_name():
+    values = {"h": jnp.array([[3.0, -4.0], [0.0, 1.0]])}
+    one = jt.stats.summarize(values, stats="norm", loop_axes=1)
+    assert list(one["h"]) == ["norm"]
+    np.testing.assert_array_equal(one["h"]["norm"], jt.stats.summarize(values, stats=("norm",), loop_axes=1)["h"]["norm"])
+    _, (_, tag_stats) = jt.stats.value_and_grad(_tagged, stats="max_abs")(X)
+    assert list(tag_stats["h"]) == ["max_abs"]
+
+
+def test_stats_of_the_wrong_type():
+    raises(TypeError, lambda: jt.stats.summarize({"h": X}, stats=3), "stats=", "got 3 of type int", 'stats="norm"')
+    raises(ValueError, lambda: jt.stats.summarize({"h": X}, stats="nrom"), "unknown statistic(s) 'nrom'", "Choose from")
+
+
+NOT_CALLABLE = {
+    "grad": lambda: jt.grad(3.0),
+    "value_and_grad": lambda: jt.value_and_grad(3.0),
+    "capture": lambda: jt.capture(3.0),
+    "patch": lambda: jt.patch(3.0, {"h": 0.0}),
+    "vjp": lambda: jt.vjp(3.0, X),
+    "jvp": lambda: jt.jvp(3.0, (X,), (X,)),
+    "stats.value_and_grad": lambda: jt.stats.value_and_grad(3.0),
+    "filter_grad": lambda: jt.filter_grad(3.0),
+    "filter_value_and_grad": lambda: jt.filter_value_and_grad(3.0),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_CALLABLE))
+def test_not_a_function_is_an_error_as_in_jax_grad(name):
+    """At wrap time, as ``jax.grad(3.0)``; ``vjp`` and ``jvp`` take the primals in the same call."""
+    if name.startswith("filter_"):
+        pytest.importorskip("equinox")
+    with pytest.raises(TypeError) as theirs:
+        jax.grad(3.0)
+    raises(TypeError, NOT_CALLABLE[name], str(theirs.value), f"jaxtrace.{name} takes the function itself")

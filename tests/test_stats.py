@@ -147,8 +147,8 @@ def test_dtypes_float0_and_complex():
 def test_errors():
     with pytest.raises(ValueError, match="unknown statistic.*'median'"):
         stats.summarize({"a": jnp.ones(2)}, stats=["norm", "median"])
-    with pytest.raises(ValueError, match="unknown statistic"):
-        stats.value_and_grad(jnp.sum, stats="norm")
+    with pytest.raises(ValueError, match="unknown statistic.*'median'"):
+        stats.value_and_grad(jnp.sum, stats="median")  # one name alone is checked as a name
     with pytest.raises(ValueError, match="at most as many axes"):
         stats.summarize({"a": jnp.ones(2)}, loop_axes=2)
     with pytest.raises(ValueError, match="different leading axes"):
