@@ -72,7 +72,10 @@ def main():
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("\n(PyTorch is not installed: pip install torch==2.13.0 to compare against register_hook.)")
+        print(
+            "\n(PyTorch is not installed, so the comparison against register_hook is skipped. A CPU build is "
+            "enough: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+        )
         return
     torch_tags, torch_leaves = torch_tag_grads(params, x, y)
     diff = max(

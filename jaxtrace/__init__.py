@@ -18,6 +18,7 @@ from ._forward import jvp as jvp
 from ._forward import patch as patch
 from ._sites import TagError as TagError
 from ._tag import tag as tag
+from . import _vmap_cond  # noqa: F401  (teaches jax.vmap of lax.cond to mask the tags in its branches)
 from . import stats as stats
 from ._version import __version__ as __version__
 

@@ -81,6 +81,7 @@ def value_and_grad(
     has_aux: bool = False,
     tags: TagSelection = None,
     with_values: bool = False,
+    holomorphic: bool = False,
 ) -> Callable:
     """Like ``jax.value_and_grad``, and also the gradients at the tags in ``fun``.
 
@@ -92,7 +93,8 @@ def value_and_grad(
     loops and ``vmap``). ``tags`` selects tags: ``None`` (all), a name, a
     sequence of names, or a predicate on names. With ``with_values=True`` the
     forward values at the tags, from the same pass, are appended:
-    ``(value, (grads, tag_grads), tag_values)``.
+    ``(value, (grads, tag_grads), tag_values)``. ``holomorphic=True`` is
+    ``jax.grad``'s: for a holomorphic ``fun`` of complex inputs and tags.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
@@ -111,9 +113,9 @@ def value_and_grad(
     @functools.wraps(fun)
     def value_and_grad_fun(*args, **kwargs):
         split, run, eps = _split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
-        (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
-            split.args, eps
-        )
+        (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(
+            run, argnums=(0, 1), has_aux=True, holomorphic=holomorphic
+        )(split.args, eps)
         grads = g_args[0] if isinstance(argnums, int) else g_args
         result = ((value, aux) if has_aux else value, (grads, split.tag_tree(g_eps)))
         return (*result, split.tag_tree(values)) if with_values else result
@@ -128,6 +130,7 @@ def grad(
     has_aux: bool = False,
     tags: TagSelection = None,
     with_values: bool = False,
+    holomorphic: bool = False,
 ) -> Callable:
     """Like ``jax.grad``, and also the gradients at the tags in ``fun``.
 
@@ -144,7 +147,9 @@ def grad(
         (18.0, 6.0)
     """
     check_callable(fun, "jaxtrace.grad")
-    value_and_grad_fun = value_and_grad(fun, argnums, has_aux=has_aux, tags=tags, with_values=with_values)
+    value_and_grad_fun = value_and_grad(
+        fun, argnums, has_aux=has_aux, tags=tags, with_values=with_values, holomorphic=holomorphic
+    )
 
     @functools.wraps(fun)
     def grad_fun(*args, **kwargs):

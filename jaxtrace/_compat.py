@@ -140,11 +140,6 @@ _LINEARIZE_TRACER = getattr(_ad, "LinearizeTracer", None)
 _LINEARIZE_LAYOUT = _linearize_layout()
 
 
-def jit_disabled() -> bool:
-    """Whether ``jax.disable_jit()`` is in force."""
-    return bool(jax.config.jax_disable_jit)  # pyright: ignore[reportAttributeAccessIssue]
-
-
 def is_zero(tangent) -> bool:
     return isinstance(tangent, Zero)
 
@@ -230,6 +225,12 @@ def bind_equation(eqn, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def source_context(eqn):
+    """A context in which new equations get ``eqn``'s source line (a re-bound tag keeps its line)."""
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
 def _linearized_bind(primitive, params: dict, invals: Sequence[Any]):
     """Bind a first-order primitive that ``jax.vjp`` is differentiating through a
     cached ``jax.jit(..., inline=True)``, as ``jax.numpy`` functions are; else None.
@@ -265,6 +266,20 @@ def source_line(eqn) -> str:
         return _source_info_util.summarize(eqn.source_info)
     except Exception:  # pragma: no cover - best effort only
         return "<unknown>"
+
+
+def construct(eqn) -> str:
+    """An equation's primitive, the function it wraps where JAX recorded one, and the user's line:
+    e.g. ``custom_vjp_call`` of ``_odeint at .../ode.py:193``, at ``model.py:12 (f)``."""
+    text = f"`{eqn.primitive.name}`"
+    for body in sub_jaxprs(eqn.params):
+        body = body.jaxpr if ClosedJaxpr is not None and isinstance(body, ClosedJaxpr) else body
+        src = getattr(getattr(body, "debug_info", None), "func_src_info", None)
+        if src:
+            text += f" of {src}"
+            break
+    line = source_line(eqn)
+    return f"{text}, at {line}" if line and line != "<unknown>" else text
 
 
 def sub_jaxprs(params: dict) -> list[Any]:
@@ -388,6 +403,25 @@ def shard_map(f, *, mesh, in_specs, out_specs, axis_names, check_vma):
     return jax.shard_map(
         f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axis_names), check_vma=check_vma
     )
+
+
+def wrap_cond_batching(wrapper) -> None:
+    """Route ``jax.vmap`` of ``lax.cond`` through ``wrapper(rule, axis_data, args, dims, **params)``.
+
+    ``rule`` is JAX's own batching rule; the wrapper calls it, with the params
+    it was given or with rewritten branches.
+    """
+    from jax._src.lax.control_flow import conditionals
+
+    batchers = getattr(_batching, "fancy_primitive_batchers", None)
+    rule = None if batchers is None else batchers.get(conditionals.cond_p)
+    if rule is None or "axis_data" not in inspect.signature(rule).parameters:
+        raise unknown_layout("the `cond` primitive's batching rule")
+    if getattr(rule, "_jaxtrace_wrapped", False):
+        return
+    wrapped = functools.partial(wrapper, rule)
+    wrapped._jaxtrace_wrapped = True  # type: ignore[attr-defined]
+    batchers[conditionals.cond_p] = wrapped
 
 
 # Primitive names, by role. Several have been renamed across JAX releases.

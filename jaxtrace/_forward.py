@@ -114,6 +114,15 @@ def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
     @functools.wraps(fun)
     def patched(*args, **kwargs):
         split = Split(fun, args, kwargs, range(len(args)), list(replacements), dynamic=_is_array)
+        for site in split.sites:
+            if site.differentiated:
+                raise TagError(
+                    f"jaxtrace.patch cannot replace the tag {site.name!r} (at {site.where}): the patched function "
+                    "takes a derivative through it (jax.grad, jax.vjp, jax.jvp or a jaxtrace gradient inside "
+                    "the function), and that derivative was formed before the patch applies, so it would not "
+                    "see the replacement. Patch the function being differentiated instead: "
+                    "jax.grad(jt.patch(loss, ...)), not jt.patch(jax.grad(loss), ...)."
+                )
         inputs = {}
         for name, value in replacements.items():
             if name not in functions:

@@ -37,6 +37,8 @@ class Site:
     problem: str | None = None  # why this site cannot be split, if it cannot
     identity: tuple = ()  # the jt.tag calls it holds (copies made by JAX share them)
     ncalls: int = 0  # >0: the first stack axis enumerates that many repeated calls
+    differentiated: bool = False  # JAX took a derivative through it inside the traced function
+    choice: tuple | None = None  # (cond, branch) for a tag in a branch of a vmapped cond
 
     @property
     def key(self) -> Key:
@@ -102,7 +104,8 @@ class Site:
 
 
 def with_problem(site: Site, problem: str) -> Site:
-    return site if site.problem else dataclasses.replace(site, problem=problem)
+    """``site`` refused for ``problem``: the outermost construct's, which is the one to move the tag out of."""
+    return dataclasses.replace(site, problem=problem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,21 +133,18 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
     """One site from every equation of one level that holds a tag name's leaf.
 
     Equations holding the same ``jt.tag`` calls (``identity``) are copies of
-    one another, as JAX makes them: one site. Distinct calls are stacked in
-    call order, which needs ``repeated=True``; calls already stacked inside a
-    nested ``jax.jit`` or ``jax.checkpoint`` are spliced in, not nested.
+    one another, as JAX makes them: one site. The branches of one vmapped
+    ``cond`` (``choice``) are alternatives: one site, each branch's values
+    masked to the examples that took it, so they add up. Other distinct calls
+    are stacked in call order, which needs ``repeated=True``; calls already
+    stacked inside a nested ``jax.jit`` or ``jax.checkpoint`` are spliced in.
     """
-    distinct: dict = {}
+    groups: dict = {}
     for site in sites:
-        distinct.setdefault(site.identity or id(site), site)
-    firsts = list(distinct.values())
+        groups.setdefault(_group(site), []).append(site)
+    firsts = [_alternatives(group) for group in groups.values()]
     if len(firsts) == 1:
-        seen = set()
-        slots = []
-        for site in sites:
-            slots.append(Slot(primary=(site.identity or id(site)) not in seen))
-            seen.add(site.identity or id(site))
-        return firsts[0], slots
+        return firsts[0], _slots(sites, {key: (None, None, False) for key in groups})
     first = firsts[0]
     sources = tuple(dict.fromkeys(src for s in firsts for src in s.sources))
     if not all(s.repeated for s in firsts):
@@ -153,11 +153,6 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
             "Give each site its own name, or pass repeated=True to jaxtrace.tag to stack the calls "
             "in call order."
         )
-        if _compat.jit_disabled():
-            problem += (
-                " Under jax.disable_jit() lax.scan and fori_loop run as Python loops, which call jt.tag once "
-                "per step: run without disable_jit to get the per-step stack."
-            )
     elif len({s.unit() for s in firsts}) > 1:
         problem = (
             f"The repeated tag {first.name!r} is called with different shapes, structures or loop axes "
@@ -167,26 +162,47 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
     else:
         problem = next((s.problem for s in firsts if s.problem), None)
     ranges, count = {}, 0
-    for key, site in distinct.items():
+    for key, site in zip(groups, firsts):
         ranges[key] = (count, count + site.units(), bool(site.ncalls))
         count += site.units()
-    seen = set()
-    slots = []
-    for site in sites:
-        key = site.identity or id(site)
-        start, stop, spliced = ranges[key]
-        slots.append(Slot(start, stop if spliced else start + 1, spliced, key not in seen))
-        seen.add(key)
     stack = first.stack[1:] if first.ncalls else first.stack
     merged = dataclasses.replace(
         first,
         stack=(count, *stack),
         sources=sources,
         problem=problem,
-        identity=tuple(i for s in firsts for i in (s.identity or ())),
+        identity=tuple(i for s in firsts for i in s.identity),
         ncalls=count,
+        differentiated=any(s.differentiated for s in firsts),
     )
-    return merged, slots
+    return merged, _slots(sites, ranges)
+
+
+def _group(site: Site):
+    """Sites with one group key are one site: copies (same calls) or a vmapped cond's branches."""
+    return ("choice", site.choice[0]) if site.choice else site.identity
+
+
+def _alternatives(group: list[Site]) -> Site:
+    """One site from the copies and vmapped-cond branches of one group."""
+    distinct = list({s.identity: s for s in group}.values())
+    differentiated = any(s.differentiated for s in group)
+    if len(distinct) == 1:
+        return dataclasses.replace(distinct[0], differentiated=differentiated)
+    merged = merge_branches(distinct, "a jax.vmap of a lax.cond")
+    return dataclasses.replace(merged, choice=None, differentiated=differentiated)
+
+
+def _slots(sites: Sequence[Site], ranges: dict) -> list[Slot]:
+    """Each site's slot; a copy of calls already seen is not primary."""
+    seen, slots = set(), []
+    for site in sites:
+        start, stop, spliced = ranges[_group(site)]
+        if start is not None and not spliced:
+            stop = start + 1
+        slots.append(Slot(start, stop, spliced, site.identity not in seen))
+        seen.add(site.identity)
+    return slots
 
 
 def merge_branches(sites: Sequence[Site], where: str) -> Site:
@@ -200,7 +216,8 @@ def merge_branches(sites: Sequence[Site], where: str) -> Site:
             f"({'; '.join(s.describe() for s in sites)}). Use one name per shape."
         )
     identity = tuple(i for s in sites for i in s.identity)
-    return dataclasses.replace(first, sources=sources, problem=problem, identity=identity)
+    differentiated = any(s.differentiated for s in sites)
+    return dataclasses.replace(first, sources=sources, problem=problem, identity=identity, differentiated=differentiated)
 
 
 # --- selection ------------------------------------------------------------

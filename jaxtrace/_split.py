@@ -19,16 +19,19 @@ and asking for it is an error that names the primitive.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _compat
-from ._sites import Site, assemble, merge_branches, select, stack_calls, with_problem
-from ._tag import is_tag, tag_p
+from ._sites import Site, TagError, assemble, merge_branches, select, stack_calls, with_problem
+from ._tag import evaluated_tags, is_tag, site_value, tag_p
 
 SiteFn = Callable[[Site, Any, Any], Any]  # (site, value at the tag, input or None) -> new value
 _NO_SITES: dict = {}
@@ -86,6 +89,8 @@ class Program:
                 repeated=p["repeated"],
                 sources=(_compat.source_line(eqn),),
                 identity=(p["call"],),
+                differentiated=p.get("differentiated", False),
+                choice=p.get("choice"),
             )
             return {site.key: site}
         rule = RULES.get(eqn.primitive.name)
@@ -103,11 +108,12 @@ class Program:
 class Splitter:
     """Evaluates a ``Program`` with the selected sites split open."""
 
-    def __init__(self, program: Program, sites: Sequence[Site], site_fn: SiteFn, outputs: Sequence = ()):
+    def __init__(self, program: Program, sites: Sequence[Site], site_fn: SiteFn, outputs: Sequence = (), retag=None):
         self.program = program
         self.sites = {site.key: site for site in sites}
         self.site_fn = site_fn
         self.output_keys = frozenset(outputs)
+        self.retag = retag or _retag
 
     def __call__(self, args: Sequence[Any], inputs: dict) -> tuple[list, dict]:
         """Outputs of the program, and ``{key: value}`` for the output sites."""
@@ -131,10 +137,11 @@ class Splitter:
                 sub_inputs = {k: slots[k].take(inputs[k]) for k in active if k in inputs}
                 if is_tag(eqn):
                     (key,) = active
-                    x = invals[0]
+                    new = self.site_fn(self.sites[key], invals[0], _masked_input(invals, sub_inputs.get(key)))
                     # The tag stays in place, so a transform around this one still finds it.
-                    outvals = [tag_p.bind(self.site_fn(self.sites[key], x, sub_inputs.get(key)), **eqn.params)]
-                    sub_outputs = {key: x} if key in self.output_keys else _NO_SITES
+                    with _compat.source_context(eqn):
+                        outvals = [self.retag(eqn, new, invals)]
+                    sub_outputs = {key: site_value(invals)} if key in self.output_keys else _NO_SITES
                 else:
                     outvals, sub_outputs = RULES[eqn.primitive.name].evaluate(self, eqn, invals, sub_inputs, active)
                 for key, value in sub_outputs.items():
@@ -149,11 +156,32 @@ class Splitter:
         return {k: _compat.zeros(s.shape, s.dtype, s.aval) for k, s in active.items() if k in self.output_keys}
 
 
+def _masked_input(invals, value):
+    """A site input where the tag is active (a vmapped cond's branch): elsewhere zeros, so that
+    no cotangent (not even a nan from the branch not taken) reaches it there."""
+    if value is None or len(invals) == 1:
+        return value
+    return jnp.where(invals[1], value, jnp.zeros_like(value))
+
+
+def _retag(eqn, new, invals):
+    return tag_p.bind(new, *invals[1:], **eqn.params)
+
+
 def _stack(values: list):
-    """One value from the values of a site's calls at one level, in call order."""
-    if len(values) == 1 and values[0][0].start is None:
-        return values[0][1]
-    return jnp.concatenate([v if slot.spliced else v[None] for slot, v in values])
+    """One value from the values of a site's calls at one level, in call order.
+
+    Values in one slot are a vmapped cond's branches, each zero where its branch was not
+    taken: they add up.
+    """
+    slots: dict = {}
+    for slot, value in values:
+        where = (slot.start, slot.stop, slot.spliced)
+        slots[where] = slots[where] + value if where in slots else value
+    if len(slots) == 1 and next(iter(slots))[0] is None:
+        return next(iter(slots.values()))
+    ordered = sorted(slots.items(), key=lambda item: item[0][0])
+    return jnp.concatenate([v if spliced else v[None] for (_, _, spliced), v in ordered])
 
 
 # --- rules, one per higher-order primitive ------------------------------------
@@ -322,19 +350,21 @@ class Unsupported(Rule):
     fix: str
 
     def sites(self, program, eqn):
-        where = _compat.source_line(eqn)
+        construct = _compat.construct(eqn)
         found: dict = {}
         for body in _compat.sub_jaxprs(eqn.params):
             for key, site in program.level(body).sites.items():
                 problem = (
-                    f"Cannot split the tag {site.name!r} (at {site.where}): it is inside "
-                    f"`{eqn.primitive.name}` at {where}, and {self.reason}. {self.fix}"
+                    f"Cannot split the tag {site.name!r} (at {site.where}): it is inside {construct}, "
+                    f"and {self.reason}. {self.fix}"
                 )
                 found[key] = with_problem(site, problem)
         return found
 
-    def evaluate(self, splitter, eqn, invals, inputs, active):  # pragma: no cover - select() raises first
-        raise AssertionError("an unsplittable site was selected")
+    def evaluate(self, splitter, eqn, invals, inputs, active):
+        # Only a rewrite that touches every tag (``_vmap_cond``) gets here; select() refuses
+        # these sites to the transforms. Their tags are left as they are.
+        return _compat.bind_equation(eqn, invals), _NO_SITES
 
 
 _WHILE = Unsupported(
@@ -344,8 +374,9 @@ _WHILE = Unsupported(
     "outside the loop.",
 )
 _CUSTOM = Unsupported(
-    "JAX differentiates a function with a custom derivative (jax.custom_jvp / jax.custom_vjp) with "
-    "its own rule, so no gradient exists at values inside it",
+    "JAX treats a function with a custom derivative (jax.custom_jvp / jax.custom_vjp, as in odeint) as a "
+    "unit: it differentiates it with its own rule, so no gradient exists at values inside it, and jaxtrace "
+    "cannot read, replace or push tangents to them without bypassing that rule",
     "Move the tag outside that function: tag its inputs or its output instead.",
 )
 
@@ -368,6 +399,56 @@ for names, rule in [
 
 def _always(leaf) -> bool:
     return True
+
+
+def _report_evaluated(evaluated: dict, sites: dict, tags) -> None:
+    """Tags that ``jax.ensure_compile_time_eval`` evaluated away: an error if asked for by name,
+    else a warning (never a silent drop)."""
+    staged = {s.name for s in sites.values()}
+    lost = {n: line for n, line in evaluated.items() if n not in staged}
+    if not lost:
+        return
+    named = [tags] if isinstance(tags, str) else list(tags) if isinstance(tags, (list, tuple)) else []
+    for name in named:
+        if name in lost:
+            raise TagError(
+                f"The tag {name!r} (at {lost[name]}) was evaluated under jax.ensure_compile_time_eval(): it is "
+                "a constant computed while tracing, not part of the program, so no gradient, tangent or "
+                "replacement can reach it. Move the jt.tag call out of the ensure_compile_time_eval block."
+            )
+    listed = ", ".join(f"{n!r} (at {line})" for n, line in lost.items() if tags is None or (callable(tags) and tags(n)))
+    if listed:
+        warnings.warn(
+            f"jaxtrace: the tags {listed} were evaluated under jax.ensure_compile_time_eval(): they are "
+            "constants computed while tracing, not part of the program, so they are left out of the result. "
+            "Move the jt.tag calls out of the ensure_compile_time_eval block.",
+            stacklevel=4,
+        )
+
+
+def _as_array(value):
+    """A program output read from a literal (a JAX-internal scalar type) as an array."""
+    return value if isinstance(value, jax.Array) else jnp.asarray(value)
+
+
+def _is_traced(leaf) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+@contextlib.contextmanager
+def _explain_tracer_errors(fun):
+    """Say why Python control flow on a value fails, and what to do, when ``fun`` is traced."""
+    try:
+        yield
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError) as e:
+        name = getattr(fun, "__qualname__", repr(fun))
+        e.add_note(
+            f"jaxtrace traces {name} once into a program (as jax.jit does), even when it is called "
+            "without jax.jit, so Python control flow (if/while/bool()/int()) cannot depend on the value of "
+            "an array argument. Use jnp.where, lax.cond or lax.select for value-dependent choices, or pass "
+            "the value as a Python number (jaxtrace keeps Python numbers static)."
+        )
+        raise
 
 
 class Split:
@@ -400,19 +481,28 @@ class Split:
             full = list(args)
             for i, a in zip(argnums, chosen):
                 full[i] = a
-            return fun(*full, **kwargs)
+            out_leaves, self.out_tree = jax.tree_util.tree_flatten(fun(*full, **kwargs))
+            # Leaves that are not arrays (strings, Python numbers in an aux output) pass through as they are.
+            self._static = {i: leaf for i, leaf in enumerate(out_leaves) if not _is_traced(leaf)}
+            return [leaf for leaf in out_leaves if _is_traced(leaf)]
 
         self._mask = mask
-        jaxpr, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*[l for l, m in zip(leaves, mask) if m])
+        with jax.disable_jit(False), _explain_tracer_errors(fun), evaluated_tags() as evaluated:
+            # Traced as under jit even inside jax.disable_jit(): a scan stays one scan, so a tag in
+            # its body is one site, laid out as it is under jit.
+            jaxpr = jax.make_jaxpr(flat_fun)(*[l for l, m in zip(leaves, mask) if m])
         self.program = Program(jaxpr)
-        self.out_tree = jax.tree_util.tree_structure(out_shape)
+        _report_evaluated(evaluated, self.program.sites, tags)
         self.sites = select(self.program.sites, tags)
 
     def __call__(self, args, site_fn: SiteFn, inputs: dict, outputs=()) -> tuple[Any, dict]:
         """``fun(*args)`` (for the traced arguments) split at the selected sites."""
         leaves = [leaf for leaf, m in zip(jax.tree_util.tree_leaves(args), self._mask) if m]
         outs, site_outputs = Splitter(self.program, self.sites, site_fn, outputs)(leaves, inputs)
-        return jax.tree_util.tree_unflatten(self.out_tree, outs), site_outputs
+        it = iter(map(_as_array, outs))
+        site_outputs = {k: _as_array(v) for k, v in site_outputs.items()}
+        out_leaves = [self._static[i] if i in self._static else next(it) for i in range(self.out_tree.num_leaves)]
+        return jax.tree_util.tree_unflatten(self.out_tree, out_leaves), site_outputs
 
     @property
     def keys(self) -> list:

@@ -9,6 +9,8 @@ traced program is split at these marks (see ``_split.py``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import os
 import sys
@@ -37,43 +39,63 @@ def _user_line() -> str:
     return "<unknown>"
 
 
-def _impl(x, **params):
+# ``tag_p`` takes the tagged value ``x`` and, under a ``jax.vmap`` of a ``lax.cond`` with a
+# per-example predicate, a second operand ``active`` (bool, ``x``'s shape): where the example
+# took the branch holding the tag (see ``_vmap_cond.py``). Every rule is an identity on ``x``.
+
+
+def _impl(x, *active, **params):
     return x
 
 
-def _abstract_eval(x, **params):
+def _abstract_eval(x, *active, **params):
     return x
 
 
 def _jvp(primals, tangents, **params):
-    (x,), (x_dot,) = primals, tangents
-    return tag_p.bind(x, **params), x_dot  # the tangent is not tagged
+    x, *active = primals
+    # The tangent is not tagged. The primal is marked: a derivative was taken through this
+    # value, so a later jt.patch of it would not reach that derivative (and says so).
+    return tag_p.bind(x, *active, **{**params, "differentiated": True}), tangents[0]
 
 
-def _linearize(nonzeros, x, **params):
-    return tag_p.bind(x, **params), nonzeros[0], (), lambda _, x_dot: x_dot
+def _linearize(nonzeros, x, *active, **params):
+    out = tag_p.bind(x, *active, **{**params, "differentiated": True})
+    return out, nonzeros[0], (), lambda _, x_dot, *active_dot: x_dot
 
 
 def _batch(args, dims, *, batch_axes, **params):
-    (x,), (d,) = args, dims
+    (x, *active), (d, *active_dims) = args, dims
+    if active and not all(a is _compat.not_mapped for a in (d, *active_dims)):
+        x, active, d = _align_active(x, active[0], d, active_dims[0])
     if d is _compat.not_mapped:
-        return tag_p.bind(x, batch_axes=batch_axes, **params), d
+        return tag_p.bind(x, *active, batch_axes=batch_axes, **params), d
     # Keep the batch axis where it is (no transpose in the program); record
     # where it is, outer vmap first, so results can be laid out batch-first.
     shifted = tuple(a + (a >= d) for a in batch_axes)
-    return tag_p.bind(x, batch_axes=(d, *shifted), **params), d
+    return tag_p.bind(x, *active, batch_axes=(d, *shifted), **params), d
 
 
-def _transpose(ct, x, **params):
-    return [ct]  # an identity transposes to an identity; the cotangent is not tagged
+def _align_active(x, active, d, da):
+    """``x`` and its ``active`` mask batched along the same axis, the mask of ``x``'s shape."""
+    if d is _compat.not_mapped:  # per-example masks need a per-example value
+        x = jnp.broadcast_to(jnp.expand_dims(x, da), active.shape)
+        return x, [active], da
+    if da is _compat.not_mapped:
+        return x, [jnp.broadcast_to(jnp.expand_dims(active, d), x.shape)], d
+    return x, [_compat.moveaxis_batched(active, da, d)], d
+
+
+def _transpose(ct, x, *active, **params):
+    return [ct, *(None for _ in active)]  # an identity transposes to an identity, untagged
 
 
 def _jet(primals, series, **params):
-    (x,), (terms,) = primals, series
-    return tag_p.bind(x, **params), terms
+    (x, *active), (terms, *_) = primals, series
+    return tag_p.bind(x, *active, **params), terms
 
 
-def _lowering(ctx, x, **params):
+def _lowering(ctx, x, *active, **params):
     return [x]
 
 
@@ -139,8 +161,35 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
         tag_p.bind(jnp.asarray(leaf), name=name, leaf=i, tree=tree, repeated=bool(repeated), batch_axes=(), call=call)
         for i, leaf in enumerate(leaves)
     ]
+    lost = _EVALUATED.get()
+    if lost is not None and not any(isinstance(t, jax.core.Tracer) for t in tagged):
+        lost.setdefault(name, _user_line())  # evaluated now, not staged: see ``evaluated_tags``
     return jax.tree_util.tree_unflatten(tree, tagged)
+
+
+_EVALUATED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxtrace_evaluated", default=None)
+
+
+@contextlib.contextmanager
+def evaluated_tags():
+    """While a jaxtrace transform traces a function: ``{name: line}`` of the tags that were
+    evaluated at trace time (``jax.ensure_compile_time_eval``) instead of staged into the program.
+
+    Diagnostics only: it never changes a value.
+    """
+    found: dict = {}
+    token = _EVALUATED.set(found)
+    try:
+        yield found
+    finally:
+        _EVALUATED.reset(token)
 
 
 def is_tag(eqn: Any) -> bool:
     return eqn.primitive is tag_p
+
+
+def site_value(invals):
+    """The value a tag equation holds for a reader: its operand, zeros where ``active`` is False."""
+    x, *active = invals
+    return x if not active else jnp.where(active[0], x, jnp.zeros_like(x))

@@ -1,6 +1,6 @@
 """Pictures of gradients: gradient flow over training, per-timestep norms, heatmap overlays.
 
-Needs matplotlib (``pip install "jaxtrace[plot]"``); the rest of jaxtrace
+Needs matplotlib (``pip install -e ".[plot]"`` from a checkout); the rest of jaxtrace
 never imports it. Figures are drawn with matplotlib's Agg canvas, without
 ``pyplot`` (no windows, no global state): each function returns a
 ``matplotlib.figure.Figure`` and, given ``path=``, also saves it there.
@@ -31,7 +31,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised without matplotlib
     raise ImportError(
         "jaxtrace.plot needs matplotlib, which is not installed. Install it with "
-        '`pip install "jaxtrace[plot]"` (or `pip install matplotlib`).'
+        '`pip install -e ".[plot]"` from a jaxtrace checkout (or `pip install matplotlib`).'
     ) from error
 
 __all__ = ["grad_flow", "timestep_norms", "overlay"]

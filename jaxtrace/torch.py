@@ -33,7 +33,7 @@ Naming and layout of ``module_grads`` (the same conventions as ``jt.tag``):
   probabilities used inside the module and also returned, a module's input
   that a residual branch also reads.)
 
-Needs PyTorch: ``pip install "jaxtrace[torch]"``.
+Needs PyTorch (a CPU build is enough: ``pip install torch --index-url https://download.pytorch.org/whl/cpu``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ try:
     import torch
 except ImportError as _error:  # pragma: no cover - exercised by a test that hides torch
     raise ImportError(
-        "jaxtrace.torch needs PyTorch, which is not installed. Install it with "
-        '`pip install "jaxtrace[torch]"` (or `pip install torch`; a CPU build is enough).'
+        "jaxtrace.torch needs PyTorch, which is not installed. A CPU build is enough, and much smaller than "
+        "the default CUDA build on Linux: `pip install torch --index-url https://download.pytorch.org/whl/cpu` "
+        '(or `pip install -e ".[torch]"` from a jaxtrace checkout, which takes the default build).'
     ) from _error
 
 import dataclasses

@@ -29,7 +29,7 @@ def test_core_does_not_import_matplotlib_and_plot_says_how_to_install():
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert 'pip install "jaxtrace[plot]"' in out.stdout
+    assert 'pip install -e ".[plot]"' in out.stdout
 
 
 import jax  # noqa: E402
@@ -43,7 +43,7 @@ try:
 except ImportError:  # matplotlib is not installed: only the test above runs
     plot = None
 needs_matplotlib = pytest.mark.skipif(
-    plot is None, reason='matplotlib is not installed (pip install "jaxtrace[plot]")'
+    plot is None, reason='matplotlib is not installed (pip install -e ".[plot]")'
 )
 
 

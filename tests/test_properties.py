@@ -354,3 +354,97 @@ def test_the_oracle_can_fail():
     np.testing.assert_allclose(tag_grads["t1"], want["t1"], rtol=1e-12)
     np.testing.assert_allclose(tag_grads["t0"], want["t1"] * np.cos(x), rtol=1e-12)
     assert not np.allclose(want["t0"], want["t1"])
+
+
+# --- compositions: the same random programs with JAX transforms and jaxtrace around and inside
+
+COMPOSITIONS = ["inner_grad", "inner_remat_grad", "inner_jvp", "inner_jt_grad", "outer_grad", "outer_vmap"]
+
+
+def composed(mode, program):
+    """``(tagged(p, x), oracle(p, x, eps))``: the program composed with ``mode``, written once with
+    tags and once by hand with ``+ eps`` at every tag (the oracle of the whole composition). The
+    tagged program runs once in each (a second call would be a second site)."""
+    base = lambda p, x, e, mark: loss(program, p, x, e, mark)  # noqa: E731
+
+    def penalized(fn, argnums):  # value + 0.1 * |gradient|^2, from one call of the program
+        def wrapped(p, x, e, mark):
+            value, g = jax.value_and_grad(fn, argnums=argnums)(p, x, e, mark)
+            return value + 0.1 * jt_sum_sq(g)
+
+        return wrapped
+
+    if mode == "inner_grad":  # a gradient penalty: jax.grad of the tagged code inside
+        inner = penalized(base, 1)
+    elif mode == "inner_remat_grad":  # the same through jax.checkpoint (its forward pass is copied)
+        inner = penalized(jax.checkpoint(base, static_argnums=(3,)), 1)
+    elif mode == "inner_jvp":
+
+        def inner(p, x, e, mark):
+            value, tangent = jax.jvp(lambda x: base(p, x, e, mark), (x,), (jnp.ones_like(x),))
+            return value + 0.1 * tangent**2
+
+    elif mode == "inner_jt_grad":  # a penalty on the tag gradients themselves, from jt inside
+
+        def tagged(p, x):
+            value, (_, tag_grads) = jt.value_and_grad(lambda p: base(p, x, {}, tag_mark))(p)
+            return value + 0.1 * jt_sum_sq(tag_grads)
+
+        return tagged, lambda p, x, e: penalized(base, 2)(p, x, e, eps_mark)
+    else:
+        raise AssertionError(mode)
+    return (lambda p, x: inner(p, x, {}, tag_mark)), (lambda p, x, e: inner(p, x, e, eps_mark))
+
+
+def jt_sum_sq(tree):
+    return sum((jnp.sum(leaf**2) for leaf in jax.tree_util.tree_leaves(tree)), jnp.zeros(()))
+
+
+def check_composition(program, params, x, mode):
+    contexts = tag_contexts(program, params, x)
+    eps = oracle_eps(contexts)
+    close = dict(rtol=1e-9, atol=1e-11)
+    if mode == "outer_grad":  # jax.grad of a function of jt.grad's tag gradients
+        tagged = lambda p: jt_sum_sq(jt.grad(lambda p: loss(program, p, x, {}, tag_mark))(p)[1])  # noqa: E731
+        oracle = lambda p: jt_sum_sq(jax.grad(lambda e: loss(program, p, x, e, eps_mark))(eps))  # noqa: E731
+        got, want = jax.jit(lambda p: (jax.grad(tagged)(p), jax.grad(oracle)(p)))(params)
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(g, w, **close)
+        return
+    if mode == "outer_vmap":  # per-example tag gradients: the batch axis first
+        xs = jnp.stack([x, -0.5 * x])
+        tagged = jax.vmap(jt.grad(lambda x: loss(program, params, x, {}, tag_mark)))
+        oracle = jax.vmap(lambda x: jax.grad(lambda e: loss(program, params, x, e, eps_mark))(eps))
+        (_, got), want = jax.jit(lambda xs: (tagged(xs), oracle(xs)))(xs)
+        for name, (ctx, _) in contexts.items():
+            w = jax.vmap(lambda g: documented_layout(ctx, g))(want[name])
+            for g, ww in zip(jax.tree_util.tree_leaves(got[name]), jax.tree_util.tree_leaves(w)):
+                np.testing.assert_allclose(g, ww, **close, err_msg=f"{name} in {ctx}")
+        return
+    tagged, oracle = composed(mode, program)
+
+    def results(params, x, eps):
+        return jt.value_and_grad(tagged)(params, x), jax.value_and_grad(oracle, argnums=(0, 2))(params, x, eps)
+
+    (value, (grads, tag_grads)), (want_value, (want_grads, want_eps)) = jax.jit(results)(params, x, eps)
+    assert sorted(tag_grads) == sorted(contexts), (sorted(tag_grads), sorted(contexts))
+    np.testing.assert_allclose(value, want_value, **close)
+    for name, (ctx, _) in contexts.items():
+        want = documented_layout(ctx, want_eps[name])
+        for g, w in zip(jax.tree_util.tree_leaves(tag_grads[name]), jax.tree_util.tree_leaves(want)):
+            assert g.shape == w.shape, (name, ctx, g.shape, w.shape)
+            np.testing.assert_allclose(g, w, **close, err_msg=f"{mode}: {name} in {ctx}")
+    for g, w in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(g, w, **close, err_msg=f"{mode}: leaf gradient")
+
+
+@settings(PROFILE, max_examples=max(PROFILE.max_examples // 4, 10))
+@given(cases(), st.sampled_from(COMPOSITIONS))
+def test_compositions(case, mode):
+    check_composition(*case, mode)
+
+
+@pytest.mark.parametrize("mode", COMPOSITIONS)
+def test_compositions_on_the_fixed_patterns(mode):
+    for program in EXAMPLES:
+        check_composition(*case(program, 1), mode)

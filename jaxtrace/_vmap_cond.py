@@ -1,0 +1,65 @@
+"""Tags in a ``lax.cond`` under ``jax.vmap`` with a per-example predicate.
+
+JAX batches such a cond by running *every* branch on every example and
+selecting the outputs, so a tag in a branch sees values for examples that did
+not take that branch (``log`` of the negatives in ``cond(x > 0, log, ...)``).
+Before JAX batches the branches, this rewrite gives each tag in branch ``i`` a
+second operand, ``active = (index == i)``, and marks it as one of the cond's
+alternatives. Readers of the value (``capture``, ``with_values``) then get
+zeros for the examples that took another branch, as an unbatched cond gives,
+and one name in several branches stays one site. Gradients need no mask: the
+select already sends zero cotangent to the branch not taken.
+
+A cond without tags, or whose predicate is not batched, is left to JAX as is.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+from ._split import Program, Splitter
+from ._tag import tag_p
+
+_CONDS = itertools.count()
+
+
+def _keep(site, x, _):
+    return x
+
+
+def _batched_cond(rule, axis_data, args, dims, *, branches, **params):
+    if dims[0] is _compat.not_mapped or not any(Program(b).sites for b in branches):
+        return rule(axis_data, args, dims, branches=branches, **params)
+    cond = next(_CONDS)
+    index_aval = jax.ShapeDtypeStruct((), args[0].dtype)
+    masked = tuple(_mask_branch(branch, i, cond, index_aval) for i, branch in enumerate(branches))
+    return rule(axis_data, [*args, args[0]], [*dims, dims[0]], branches=masked, **params)
+
+
+def _mask_branch(branch, i: int, cond: int, index_aval):
+    """``branch`` with one more input, the cond's index, and every tag in it masked by ``index == i``."""
+    program = Program(branch)
+    jaxpr, _ = _compat.jaxpr_and_consts(branch)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in jaxpr.invars]
+
+    def masked(*args):
+        *ops, index = args
+        taken = index == i
+
+        def retag(eqn, new, invals):
+            x, *active = invals
+            mask = jnp.broadcast_to(taken, jnp.shape(x))
+            mask = mask & active[0] if active else mask
+            return tag_p.bind(new, mask, **{**eqn.params, "choice": (cond, i)})
+
+        outs, _ = Splitter(program, list(program.sites.values()), _keep, retag=retag)(ops, {})
+        return outs
+
+    return jax.make_jaxpr(masked)(*avals, index_aval)
+
+
+_compat.wrap_cond_batching(_batched_cond)

@@ -1,0 +1,397 @@
+"""jaxtrace in company: inside and around jax.grad / jvp / vmap / checkpoint / disable_jit
+and around itself. Every number is checked against the hand-written ``+ eps`` program of
+the whole composition (float64), eager and under jit; every refusal is a TagError that
+names the construct and the fix."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_trees_close
+from jax import lax
+
+import jaxtrace as jt
+
+W = jax.random.normal(jax.random.PRNGKey(0), (3, 3)) / 2
+X = jnp.arange(3.0) - 0.5
+Z3 = jnp.zeros(3)
+
+
+def loss(w, x):
+    h = jt.tag(jnp.tanh(w @ x), "h")
+    return jnp.sum(jnp.sin(h) ** 2)
+
+
+def loss_eps(w, x, eps):
+    h = jnp.tanh(w @ x) + eps
+    return jnp.sum(jnp.sin(h) ** 2)
+
+
+# --- a jaxtrace transform inside another one (item: the outer one must see the tag) ---------
+
+
+INNER = {
+    "grad": (
+        lambda w, x: jnp.sum(jt.grad(loss, argnums=1)(w, x)[0] ** 2),
+        lambda w, x, e: jnp.sum(jax.grad(loss_eps, argnums=1)(w, x, e) ** 2),
+    ),
+    "tag_grad_penalty": (
+        lambda w, x: jnp.sum(jt.grad(loss)(w, x)[1]["h"] ** 2),
+        lambda w, x, e: jnp.sum(jax.grad(loss_eps, argnums=2)(w, x, e) ** 2),
+    ),
+    "value_and_grad": (
+        lambda w, x: (lambda v, g: v + jnp.sum(g[0] ** 2))(*jt.value_and_grad(loss)(w, x)),
+        lambda w, x, e: loss_eps(w, x, e) + jnp.sum(jax.grad(loss_eps)(w, x, e) ** 2),
+    ),
+    "vjp": (
+        lambda w, x: jnp.sum(jt.vjp(loss, w, x)[1](1.0)[0][0] ** 2),
+        lambda w, x, e: jnp.sum(jax.grad(loss_eps)(w, x, e) ** 2),
+    ),
+    "stats": (
+        lambda w, x: jt.stats.value_and_grad(loss)(w, x)[0],
+        loss_eps,
+    ),
+}
+
+
+@pytest.mark.parametrize("inner", sorted(INNER))
+def test_outer_jaxtrace_sees_tags_of_an_inner_one(maybe_jit, inner):
+    outer, outer_eps = INNER[inner]
+    grads, tag_grads = maybe_jit(jt.grad(outer))(W, X)
+    assert_trees_close(grads, jax.grad(outer_eps)(W, X, Z3))
+    assert_trees_close(tag_grads["h"], jax.grad(outer_eps, argnums=2)(W, X, Z3))
+    out, values = maybe_jit(jt.capture(outer))(W, X)
+    assert_trees_close(values["h"], jnp.tanh(W @ X))
+    assert_trees_close(out, outer(W, X))
+
+
+def test_jax_grad_around_jt_grad_around_jt_grad(maybe_jit):
+    inner = lambda w, x: jnp.sum(jt.grad(loss)(w, x)[1]["h"] ** 2)  # noqa: E731
+    outer = lambda w, x: jt.grad(inner)(w, x)[1]["h"].sum()  # noqa: E731
+    inner_eps = lambda w, x, e: jnp.sum(jax.grad(loss_eps, argnums=2)(w, x, e) ** 2)  # noqa: E731
+    outer_eps = lambda w, x: jax.grad(inner_eps, argnums=2)(w, x, Z3).sum()  # noqa: E731
+    assert_trees_close(maybe_jit(jax.grad(outer))(W, X), jax.grad(outer_eps)(W, X), rtol=1e-10)
+
+
+# --- copies JAX makes of one tag call are one site ----------------------------------------
+
+
+def remat_step(w, x):
+    return jnp.sum(jax.grad(lambda w: jax.checkpoint(loss)(w, x))(w) ** 2)
+
+
+def remat_step_eps(w, x, e):
+    return jnp.sum(jax.grad(lambda w: jax.checkpoint(loss_eps)(w, x, e))(w) ** 2)
+
+
+@pytest.mark.parametrize("policy", [None, "nothing_saveable", "everything_saveable"])
+def test_checkpoint_under_inner_grad_is_one_site(maybe_jit, policy):
+    pol = None if policy is None else getattr(jax.checkpoint_policies, policy)
+
+    def step(w, x):
+        return jnp.sum(jax.grad(lambda w: jax.checkpoint(loss, policy=pol)(w, x))(w) ** 2)
+
+    def step_eps(w, x, e):
+        return jnp.sum(jax.grad(lambda w: jax.checkpoint(loss_eps, policy=pol)(w, x, e))(w) ** 2)
+
+    g, tag_grads, values = maybe_jit(jt.grad(step, with_values=True))(W, X)
+    assert_trees_close(g, jax.grad(step_eps)(W, X, Z3))
+    assert_trees_close(tag_grads["h"], jax.grad(step_eps, argnums=2)(W, X, Z3))
+    assert_trees_close(values["h"], jnp.tanh(W @ X))
+    _, captured = maybe_jit(jt.capture(step))(W, X)
+    assert_trees_close(captured["h"], jnp.tanh(W @ X))
+
+
+def test_capture_of_a_training_step_with_remat_and_scan(maybe_jit):
+    def rnn_loss(w, xs):
+        def body(c, x):
+            c = jt.tag(jnp.tanh(w @ c + x), "c")
+            return c, None
+
+        return jnp.sum(lax.scan(jax.checkpoint(body), jnp.zeros(3), xs)[0] ** 2)
+
+    xs = jnp.arange(12.0).reshape(4, 3) / 10
+    step = lambda w, xs: jax.grad(rnn_loss)(w, xs)  # noqa: E731
+    _, values = maybe_jit(jt.capture(step))(W, xs)
+    _, expected = jt.capture(rnn_loss)(W, xs)
+    assert values["c"].shape == (4, 3)
+    assert_trees_close(values["c"], expected["c"])
+
+
+def test_repeated_calls_across_a_nested_jit_are_spliced(maybe_jit):
+    def f(x):
+        a = jax.jit(lambda x: jt.tag(jt.tag(jnp.sin(x), "r", repeated=True) * 3, "r", repeated=True))(x)
+        return jnp.sum(jt.tag(jnp.cos(a), "r", repeated=True) ** 2)
+
+    def f_eps(x, e):
+        a = (jnp.sin(x) + e[0]) * 3 + e[1]
+        return jnp.sum((jnp.cos(a) + e[2]) ** 2)
+
+    e0 = jnp.zeros((3, 3))
+    g, tag_grads = maybe_jit(jt.grad(f))(X)
+    assert tag_grads["r"].shape == (3, 3)
+    assert_trees_close(tag_grads["r"], jax.grad(f_eps, argnums=1)(X, e0))
+    assert_trees_close(g, jax.grad(f_eps)(X, e0))
+    _, values = maybe_jit(jt.capture(f))(X)
+    s = jnp.sin(X)
+    assert_trees_close(values["r"], jnp.stack([s, 3 * s, jnp.cos(3 * s)]))
+
+
+def test_repeated_calls_at_different_loop_depths_name_the_axes():
+    def f(x):
+        x = jt.tag(x, "r", repeated=True)
+        y, _ = lax.scan(lambda c, _: (jt.tag(jnp.sin(c), "r", repeated=True), None), x, None, length=4)
+        return jnp.sum(y)
+
+    with pytest.raises(jt.TagError, match=r"leading axes \(4,\)"):
+        jt.grad(f)(X)
+
+
+def test_disable_jit_gives_the_jit_layout():
+    def f(w, xs):
+        def body(c, x):
+            c = jt.tag(jnp.tanh(w @ c + x), "c")
+            return c, None
+
+        return jnp.sum(lax.scan(body, jnp.zeros(3), xs)[0] ** 2)
+
+    xs = jnp.arange(12.0).reshape(4, 3) / 10
+    expected = jax.jit(jt.grad(f))(W, xs)
+    with jax.disable_jit():
+        got = jt.grad(f)(W, xs)
+        _, values = jt.capture(f)(W, xs)
+    assert got[1]["c"].shape == (4, 3)
+    assert_trees_close(got, expected)
+    assert values["c"].shape == (4, 3)
+
+
+# --- patch of a function that differentiates the tagged code --------------------------------
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        lambda f: jax.grad(f),
+        lambda f: (lambda w, x: jax.jvp(lambda w: f(w, x), (w,), (jnp.ones_like(w),))[1]),
+        lambda f: (lambda w, x: jax.vjp(lambda w: f(w, x), w)[1](1.0)[0]),
+        lambda f: (lambda w, x: jt.grad(f)(w, x)[0]),
+    ],
+    ids=["grad", "jvp", "vjp", "jt.grad"],
+)
+@pytest.mark.parametrize("replacement", [lambda v: 2 * v, jnp.ones(3)], ids=["callable", "value"])
+def test_patch_of_a_function_that_differentiates_the_tag_is_refused(inner, replacement):
+    with pytest.raises(jt.TagError, match=r"jax.grad\(jt.patch\(loss"):
+        jt.patch(inner(loss), {"h": replacement})(W, X)
+
+
+@pytest.mark.parametrize("replacement", ["callable", "value"])
+def test_grad_of_patch_is_the_patched_program_derivative(maybe_jit, replacement):
+    if replacement == "callable":
+        patched, oracle = {"h": lambda v: 2 * v}, lambda w, x: jnp.sum(jnp.sin(2 * jnp.tanh(w @ x)) ** 2)
+    else:
+        v = jnp.array([0.1, -0.2, 0.3])
+        patched, oracle = {"h": v}, lambda w, x: jnp.sum(jnp.sin(v + 0 * w[0, 0]) ** 2)
+    assert_trees_close(maybe_jit(jax.grad(jt.patch(loss, patched)))(W, X), jax.grad(oracle)(W, X))
+
+
+def test_patch_of_a_grad_that_does_not_flow_through_the_tag():
+    # The tag's value is only a residual of the derivative (no tangent passes it): allowed, exact.
+    f = lambda w: jnp.sum(w * jt.tag(X, "h") ** 2)  # noqa: E731
+    got = jt.patch(jax.grad(f), {"h": lambda v: 2 * v})(2.0)
+    assert_trees_close(got, jnp.sum((2 * X) ** 2))
+
+
+def test_capture_of_a_function_that_differentiates_inside(maybe_jit):
+    out, values = maybe_jit(jt.capture(jax.grad(loss)))(W, X)
+    assert_trees_close(out, jax.grad(loss)(W, X))
+    assert_trees_close(values["h"], jnp.tanh(W @ X))
+    _, tangents = jt.jvp(lambda w: jax.grad(loss)(w, X), (W,), (jnp.ones_like(W),))[1:]
+    h_dot = jax.jvp(lambda w: jnp.tanh(w @ X), (W,), (jnp.ones_like(W),))[1]
+    assert_trees_close(tangents["h"], h_dot)
+
+
+# --- a tag is an identity to every JAX transform --------------------------------------------
+
+
+def test_linear_transpose_of_a_tagged_linear_function():
+    f = lambda v: 3.0 * jt.tag(W @ v, "t")  # noqa: E731
+    (got,) = jax.linear_transpose(f, X)(X)
+    (expected,) = jax.linear_transpose(lambda v: 3.0 * (W @ v), X)(X)
+    assert_trees_close(got, expected)
+
+
+def test_grad_through_a_custom_jvp_rule_that_tags_its_tangent(maybe_jit):
+    @jax.custom_jvp
+    def g(x):
+        return jnp.sin(x)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        (x,), (x_dot,) = primals, tangents
+        return jnp.sin(x), jt.tag(jnp.cos(x) * x_dot, "tangent")
+
+    assert_trees_close(maybe_jit(jax.grad(lambda x: jnp.sum(g(x))))(X), jnp.cos(X))
+    assert_trees_close(jax.hessian(lambda x: jnp.sum(g(x)))(X), jnp.diag(-jnp.sin(X)))
+
+
+def test_jet_of_a_tagged_function():
+    from jax.experimental import jet
+
+    f = lambda x: jnp.sin(jt.tag(x * x, "h"))  # noqa: E731
+    got = jet.jet(f, (0.7,), ((1.0, 0.5, 0.2),))
+    expected = jet.jet(lambda x: jnp.sin(x * x), (0.7,), ((1.0, 0.5, 0.2),))
+    assert_trees_close(got, expected)
+
+
+def test_holomorphic(maybe_jit):
+    f = lambda z: jnp.sin(jt.tag(z * z, "h"))  # noqa: E731
+    f_eps = lambda z, e: jnp.sin(z * z + e)  # noqa: E731
+    z = jnp.complex128(0.3 + 0.8j)
+    g, tag_grads = maybe_jit(jt.grad(f, holomorphic=True))(z)
+    eg, etag = jax.grad(f_eps, argnums=(0, 1), holomorphic=True)(z, jnp.complex128(0))
+    assert_trees_close((g, tag_grads["h"]), (eg, etag))
+
+
+# --- clear errors where JAX hides the structure ---------------------------------------------
+
+
+def test_odeint_dynamics_name_the_custom_rule():
+    from jax.experimental.ode import odeint
+
+    def f(a):
+        return jnp.sum(odeint(lambda y, t, a: -a * jt.tag(y, "y"), jnp.ones(2), jnp.array([0.0, 1.0]), a))
+
+    for transform in (jt.grad, jt.capture):
+        with pytest.raises(jt.TagError) as info:
+            transform(f)(1.0)
+        message = str(info.value)
+        assert "'y'" in message and "custom_vjp_call" in message and "_odeint" in message
+        assert "Move the tag outside" in message and "used at" not in message
+
+
+def test_python_control_flow_on_a_value_says_the_function_is_traced():
+    def f(x):
+        h = jt.tag(x * 2, "h")
+        return h**2 if h > 1 else h
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        jt.grad(f)(3.0)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "traces" in notes and "lax.cond" in notes and "jnp.where" in notes
+
+
+def test_non_array_outputs_pass_through(maybe_jit):
+    def f(x):
+        h = jt.tag(x * 2, "h")
+        return jnp.sum(h**2), {"name": "run-1", "step": 3, "lr": 0.5}
+
+    (g, tag_grads), aux = jt.grad(f, has_aux=True)(X)
+    assert aux == {"name": "run-1", "step": 3, "lr": 0.5}
+    assert type(aux["step"]) is int and type(aux["lr"]) is float
+    assert_trees_close(tag_grads["h"], 4 * X)
+    out, values = jt.capture(lambda x: (jt.tag(x, "h"), 3, 1.5, "s"))(2.0)
+    assert out[1:] == (3, 1.5, "s") and isinstance(out[0], jax.Array) and isinstance(values["h"], jax.Array)
+    assert jt.patch(lambda x: (jt.tag(x, "h") * 2, "s"), {"h": lambda v: v + 1})(2.0)[1] == "s"
+
+
+def test_ensure_compile_time_eval_tag_is_reported():
+    def f(x):
+        with jax.ensure_compile_time_eval():
+            k = jt.tag(jnp.ones(3) * 3, "k")
+        return jnp.sum(k * jt.tag(x, "x"))
+
+    with pytest.warns(UserWarning, match="'k'.*ensure_compile_time_eval"):
+        _, tag_grads = jt.grad(f)(X)
+    assert set(tag_grads) == {"x"}
+    with pytest.raises(jt.TagError, match="'k'.*ensure_compile_time_eval"):
+        jt.grad(f, tags="k")(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jt.grad(f, tags="x")(X)  # not asked for, not warned about
+
+
+# --- jax.vmap of lax.cond with a per-example predicate -------------------------------------
+
+XS = jnp.array([1.5, -2.0, 3.0, -0.5])
+
+
+def branchy(x, e=None, repeated=False):
+    """Both branches tag 'b' (or add e): one site; 'log' only in the first branch."""
+
+    def mark(v, name, i):
+        if e is None:
+            return jt.tag(v, name, repeated=repeated)
+        return v + e[i]
+
+    def pos(x):
+        return jnp.sin(mark(jnp.log(x), "b", 0)) + mark(jnp.log(x) * 2, "log", 1)
+
+    def neg(x):
+        return jnp.cos(mark(x * 3, "b", 0))
+
+    return lax.cond(x > 0, pos, neg, x)
+
+
+@pytest.mark.parametrize("repeated", [False, True])
+def test_vmapped_cond_masks_values_and_merges_branches(maybe_jit, repeated):
+    f = lambda xs: jnp.sum(jax.vmap(lambda x: branchy(x, repeated=repeated))(xs) ** 2)  # noqa: E731
+    f_eps = lambda xs, e: jnp.sum(jax.vmap(lambda x, e: branchy(x, e))(xs, e) ** 2)  # noqa: E731
+    e0 = jnp.zeros((XS.shape[0], 2))
+    g, tag_grads, values = maybe_jit(jt.grad(f, with_values=True))(XS)
+    oracle = jax.grad(f_eps, argnums=1)(XS, e0)
+    assert tag_grads["b"].shape == (4,) and tag_grads["log"].shape == (4,)
+    assert_trees_close(tag_grads, {"b": oracle[:, 0], "log": oracle[:, 1]})
+    assert_trees_close(g, jax.grad(f_eps)(XS, e0))
+    pos = XS > 0
+    safe_log = jnp.log(jnp.where(pos, XS, 1.0))
+    expected = {"b": jnp.where(pos, safe_log, 3 * XS), "log": jnp.where(pos, 2 * safe_log, 0.0)}
+    assert_trees_close(values, expected)
+    _, captured = maybe_jit(jt.capture(f))(XS)
+    assert_trees_close(captured, expected)
+    # Per example, the unbatched cond gives the same values (zeros for the branch not taken).
+    for n, x in enumerate(XS):
+        _, one = jt.capture(lambda x: branchy(x, repeated=repeated))(x)
+        assert_trees_close({k: v[n] for k, v in captured.items()}, one)
+
+
+def test_vmapped_cond_inside_scan_and_nested_vmap(maybe_jit):
+    xs = jnp.stack([XS, -XS[::-1], XS * 0.5])  # (T=3, B=4)
+
+    def f(xs, e=None):
+        def body(c, x):
+            if e is None:
+                out = jax.vmap(jax.vmap(lambda x: branchy(x)))(x[None, :])[0]
+            else:
+                x, ee = x
+                out = jax.vmap(jax.vmap(lambda x, ee: branchy(x, ee)))(x[None, :], ee[None])[0]
+            return c + jnp.sum(out**2), None
+
+        steps = xs if e is None else (xs, e)
+        return lax.scan(body, 0.0, steps)[0]
+
+    e0 = jnp.zeros((3, 4, 2))
+    _, tag_grads = maybe_jit(jt.grad(f))(xs)
+    oracle = jax.grad(f, argnums=1)(xs, e0)
+    assert tag_grads["b"].shape == (3, 1, 4)
+    assert_trees_close(tag_grads["b"][:, 0], oracle[..., 0])
+    _, values = maybe_jit(jt.capture(f))(xs)
+    assert_trees_close(values["log"][:, 0], jnp.where(xs > 0, 2 * jnp.log(jnp.where(xs > 0, xs, 1.0)), 0.0))
+
+
+def test_vmapped_cond_patch_and_jvp(maybe_jit):
+    f = lambda xs: jax.vmap(branchy)(xs)  # noqa: E731
+    patched = maybe_jit(jt.patch(f, {"b": lambda v: 2 * v}))(XS)
+    expected = jax.vmap(lambda x: lax.cond(x > 0, lambda x: jnp.sin(2 * jnp.log(x)) + 2 * jnp.log(x),
+                                           lambda x: jnp.cos(6 * x), x))(XS)
+    assert_trees_close(patched, expected)
+    _, _, tangents = jt.jvp(f, (XS,), (jnp.ones_like(XS),))
+    assert_trees_close(tangents["b"], jnp.where(XS > 0, 1 / XS, 3.0))
+    assert_trees_close(tangents["log"], jnp.where(XS > 0, 2 / XS, 0.0))
+
+
+def test_vmapped_cond_without_tags_is_left_to_jax():
+    f = jax.vmap(lambda x: lax.cond(x > 0, jnp.sin, jnp.cos, x))
+    assert str(jax.make_jaxpr(f)(XS)).count("select_n") >= 1
+    assert "jaxtrace" not in str(jax.make_jaxpr(f)(XS))
