@@ -268,11 +268,11 @@ def source_line(eqn) -> str:
         return "<unknown>"
 
 
-def construct(eqn) -> str:
+def construct(eqn, bodies=None) -> str:
     """An equation's primitive, the function it wraps where JAX recorded one, and the user's line:
     e.g. ``custom_vjp_call`` of ``_odeint at .../ode.py:193``, at ``model.py:12 (f)``."""
     text = f"`{eqn.primitive.name}`"
-    for body in sub_jaxprs(eqn.params):
+    for body in sub_jaxprs(eqn.params) if bodies is None else bodies:
         body = body.jaxpr if ClosedJaxpr is not None and isinstance(body, ClosedJaxpr) else body
         src = getattr(getattr(body, "debug_info", None), "func_src_info", None)
         if src:
@@ -317,6 +317,30 @@ def scan_params(eqn) -> ScanParams:
     else:
         raise unknown_layout("the `scan` primitive's params " + str(sorted(p)))
     return ScanParams(p["jaxpr"], num_consts, num_carry, p["length"], p["reverse"], p.get("unroll", 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileParams:
+    cond: Any  # closed jaxpr: cond consts, carry -> bool
+    body: Any  # closed jaxpr: body consts, carry -> carry
+    cond_nconsts: int
+    body_nconsts: int
+
+
+def while_params(eqn) -> WhileParams:
+    p = eqn.params
+    try:
+        return WhileParams(p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"])
+    except KeyError:
+        raise unknown_layout("the `while` primitive's params " + str(sorted(p))) from None
+
+
+def custom_primal(eqn) -> Any:
+    """The primal function of a ``custom_jvp_call`` / ``custom_vjp_call``: a jaxpr of all its operands."""
+    body = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+    if body is None:
+        raise unknown_layout(f"the `{eqn.primitive.name}` primitive's params " + str(sorted(eqn.params)))
+    return body
 
 
 def cond_branches(eqn) -> tuple:
@@ -430,5 +454,6 @@ COND = ("cond",)
 INLINE_CALLS = ("jit", "pjit", "closed_call", "core_call", "call", "eval_jaxpr")
 REMAT = ("remat2", "checkpoint", "remat")
 WHILE = ("while",)
-CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
+CUSTOM_DERIVATIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+CUSTOM_LINEAR = ("custom_lin",)
 SHARD_MAP = ("shard_map",)

@@ -45,7 +45,7 @@ def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
 
     @functools.wraps(fun)
     def captured(*args, **kwargs):
-        split = Split(fun, args, kwargs, range(len(args)), tags, dynamic=_is_array)
+        split = Split(fun, args, kwargs, range(len(args)), tags, dynamic=_is_array, purpose="read")
         out, values = split(split.args, _keep, {}, split.keys)
         return out, split.tag_tree(values)
 
@@ -68,7 +68,7 @@ def jvp(fun: Callable, primals, tangents, *, tags: TagSelection = None):
     """
     check_callable(fun, "jaxtrace.jvp")
     primals, tangents = tuple(primals), tuple(tangents)
-    split = Split(fun, primals, {}, range(len(primals)), tags)
+    split = Split(fun, primals, {}, range(len(primals)), tags, purpose="forward")
 
     def run(args):
         return split(args, _keep, {}, split.keys)
@@ -113,7 +113,7 @@ def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
 
     @functools.wraps(fun)
     def patched(*args, **kwargs):
-        split = Split(fun, args, kwargs, range(len(args)), list(replacements), dynamic=_is_array)
+        split = Split(fun, args, kwargs, range(len(args)), list(replacements), dynamic=_is_array, purpose="forward")
         for site in split.sites:
             if site.differentiated:
                 raise TagError(

@@ -35,10 +35,12 @@ class Site:
     repeated: bool
     sources: tuple  # user source lines of the tag
     problem: str | None = None  # why this site cannot be split, if it cannot
+    refusals: tuple = ()  # (purpose, why): constructs around it that refuse that purpose, outermost first
     identity: tuple = ()  # the jt.tag calls it holds (copies made by JAX share them)
     ncalls: int = 0  # >0: the first stack axis enumerates that many repeated calls
     differentiated: bool = False  # JAX took a derivative through it inside the traced function
     choice: tuple | None = None  # (cond, branch) for a tag in a branch of a vmapped cond
+    remat: bool = False  # found inside a jax.checkpoint body (where JAX makes copies)
 
     @property
     def key(self) -> Key:
@@ -103,9 +105,23 @@ class Site:
         return (stack, self.aval.shape, self.dtype, self.batch_axes, self.tree)
 
 
-def with_problem(site: Site, problem: str) -> Site:
-    """``site`` refused for ``problem``: the outermost construct's, which is the one to move the tag out of."""
-    return dataclasses.replace(site, problem=problem)
+PURPOSES = ("read", "forward", "reverse")  # capture; jvp and patch; gradients
+
+
+def with_problem(site: Site, problem: str, purpose: str = "read") -> Site:
+    """``site`` inside a construct that refuses ``purpose`` and the purposes that need more
+    (reading < forward < reverse), for the reason ``problem``."""
+    return dataclasses.replace(site, refusals=((purpose, problem), *site.refusals))
+
+
+def site_problem(site: Site, purpose: str) -> str | None:
+    """Why ``site`` cannot serve ``purpose``, or None.
+
+    The outermost refusing construct speaks first: moving the tag out of it is the first fix.
+    """
+    level = PURPOSES.index(purpose)
+    refused = (why for p, why in site.refusals if PURPOSES.index(p) <= level)
+    return next(refused, None) or site.problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,19 +148,25 @@ class Slot:
 def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
     """One site from every equation of one level that holds a tag name's leaf.
 
-    Equations holding the same ``jt.tag`` calls (``identity``) are copies of
-    one another, as JAX makes them: one site. The branches of one vmapped
-    ``cond`` (``choice``) are alternatives: one site, each branch's values
-    masked to the examples that took it, so they add up. Other distinct calls
-    are stacked in call order, which needs ``repeated=True``; calls already
-    stacked inside a nested ``jax.jit`` or ``jax.checkpoint`` are spliced in.
+    Rematerialised copies of one ``jt.tag`` call (``_copies``) are one site.
+    The branches of one vmapped ``cond`` (``choice``) are alternatives: one
+    site, each branch's values masked to the examples that took it, so they
+    add up. Other distinct calls are stacked in call order, which needs
+    ``repeated=True``; calls already stacked inside a nested ``jax.jit`` or
+    ``jax.checkpoint`` are spliced in.
     """
+    units = _copies(sites)  # each: the indices of one call's occurrences, original first
     groups: dict = {}
-    for site in sites:
-        groups.setdefault(_group(site), []).append(site)
-    firsts = [_alternatives(group) for group in groups.values()]
+    for u, members in enumerate(units):
+        first = sites[members[0]]
+        groups.setdefault(("choice", first.choice[0]) if first.choice else ("call", u), []).append(u)
+    firsts = [
+        _alternatives([sites[units[u][0]] for u in us], [sites[i] for u in us for i in units[u]])
+        for us in groups.values()
+    ]
+    unit_group = {u: g for g, us in enumerate(groups.values()) for u in us}
     if len(firsts) == 1:
-        return firsts[0], _slots(sites, {key: (None, None, False) for key in groups})
+        return firsts[0], _slots(units, unit_group, [(None, None, False)], len(sites))
     first = firsts[0]
     sources = tuple(dict.fromkeys(src for s in firsts for src in s.sources))
     if not all(s.repeated for s in firsts):
@@ -161,9 +183,9 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
         )
     else:
         problem = next((s.problem for s in firsts if s.problem), None)
-    ranges, count = {}, 0
-    for key, site in zip(groups, firsts):
-        ranges[key] = (count, count + site.units(), bool(site.ncalls))
+    ranges, count = [], 0
+    for site in firsts:
+        ranges.append((count, count + site.units(), bool(site.ncalls)))
         count += site.units()
     stack = first.stack[1:] if first.ncalls else first.stack
     merged = dataclasses.replace(
@@ -174,34 +196,67 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
         identity=tuple(i for s in firsts for i in s.identity),
         ncalls=count,
         differentiated=any(s.differentiated for s in firsts),
+        remat=False,
+        **_partial_problems(firsts),
     )
-    return merged, _slots(sites, ranges)
+    return merged, _slots(units, unit_group, ranges, len(sites))
 
 
-def _group(site: Site):
-    """Sites with one group key are one site: copies (same calls) or a vmapped cond's branches."""
-    return ("choice", site.choice[0]) if site.choice else site.identity
+def _partial_problems(sites: Sequence[Site]) -> dict:
+    """The refusals of any of ``sites``, for the site merged from them."""
+    return {"refusals": tuple(dict.fromkeys(r for s in sites for r in s.refusals))}
 
 
-def _alternatives(group: list[Site]) -> Site:
-    """One site from the copies and vmapped-cond branches of one group."""
-    distinct = list({s.identity: s for s in group}.values())
-    differentiated = any(s.differentiated for s in group)
-    if len(distinct) == 1:
-        return dataclasses.replace(distinct[0], differentiated=differentiated)
-    merged = merge_branches(distinct, "a jax.vmap of a lax.cond")
+def _copies(sites: Sequence[Site]) -> list[list[int]]:
+    """The occurrences of each call: equations that hold one ``jt.tag`` call (``identity``).
+
+    JAX copies an equation when it rematerialises a ``jax.checkpoint`` body in
+    the backward pass of a ``jax.grad`` inside the traced function: those
+    copies compute the same value and are one call. The same call can also
+    appear several times for another reason, e.g. a ``jax.jit`` whose cached
+    trace is called twice: those are distinct uses. Occurrences are taken as
+    copies only when that is certain (differentiated, one layout, at most one
+    outside a rematerialised body); otherwise each is its own use, which is
+    an error or a stack, never a silent merge.
+    """
+    buckets: dict = {}
+    for i, site in enumerate(sites):
+        buckets.setdefault(site.identity, []).append(i)
+    units = []
+    for members in buckets.values():
+        group = [sites[i] for i in members]
+        copies = (
+            len(group) > 1
+            and all(s.differentiated for s in group)
+            and len({s.unit() for s in group}) == 1
+            and sum(not s.remat for s in group) <= 1
+        )
+        if copies:
+            original = next((i for i in members if not sites[i].remat), members[0])
+            units.append([original, *(i for i in members if i != original)])
+        else:
+            units.extend([i] for i in members)
+    return sorted(units, key=min)
+
+
+def _alternatives(alternatives: list[Site], occurrences: list[Site]) -> Site:
+    """One site from the branches of a vmapped cond (or from one call), its copies included."""
+    differentiated = any(s.differentiated for s in occurrences)
+    if len(alternatives) == 1:
+        return dataclasses.replace(alternatives[0], differentiated=differentiated)
+    merged = merge_branches(alternatives, "a jax.vmap of a lax.cond")
     return dataclasses.replace(merged, choice=None, differentiated=differentiated)
 
 
-def _slots(sites: Sequence[Site], ranges: dict) -> list[Slot]:
-    """Each site's slot; a copy of calls already seen is not primary."""
-    seen, slots = set(), []
-    for site in sites:
-        start, stop, spliced = ranges[_group(site)]
+def _slots(units: list, unit_group: dict, ranges: list, n: int) -> list[Slot]:
+    """Each occurrence's slot: its group's range; only a call's first occurrence is primary."""
+    slots: list = [None] * n
+    for u, members in enumerate(units):
+        start, stop, spliced = ranges[unit_group[u]] if len(ranges) > 1 else ranges[0]
         if start is not None and not spliced:
             stop = start + 1
-        slots.append(Slot(start, stop, spliced, site.identity not in seen))
-        seen.add(site.identity)
+        for j, i in enumerate(members):
+            slots[i] = Slot(start, stop, spliced, j == 0)
     return slots
 
 
@@ -217,7 +272,14 @@ def merge_branches(sites: Sequence[Site], where: str) -> Site:
         )
     identity = tuple(i for s in sites for i in s.identity)
     differentiated = any(s.differentiated for s in sites)
-    return dataclasses.replace(first, sources=sources, problem=problem, identity=identity, differentiated=differentiated)
+    return dataclasses.replace(
+        first,
+        sources=sources,
+        problem=problem,
+        identity=identity,
+        differentiated=differentiated,
+        **_partial_problems(sites),
+    )
 
 
 # --- selection ------------------------------------------------------------
@@ -254,8 +316,9 @@ def check_tags(tags: TagSelection) -> None:
     )
 
 
-def select(sites: dict, tags: TagSelection) -> list[Site]:
-    """The sites that ``tags=`` asks for; raises for unknown names and unsplittable sites."""
+def select(sites: dict, tags: TagSelection, purpose: str = "reverse") -> list[Site]:
+    """The sites that ``tags=`` asks for; raises for unknown names and sites that cannot serve
+    ``purpose`` (``"read"``: capture; ``"forward"``: jvp, patch; ``"reverse"``: gradients)."""
     check_tags(tags)
     names = tag_names(sites.values())
     if tags is None:
@@ -283,8 +346,9 @@ def select(sites: dict, tags: TagSelection) -> list[Site]:
         )
     chosen = [s for s in sites.values() if s.name in wanted_names]
     for site in chosen:
-        if site.problem:
-            raise TagError(site.problem)
+        problem = site_problem(site, purpose)
+        if problem:
+            raise TagError(problem)
     return chosen
 
 

@@ -282,7 +282,8 @@ class Remat(Rule):
     """``jax.checkpoint``: rebuilt with the same policy; site inputs and outputs pass through it."""
 
     def sites(self, program, eqn):
-        return program.level(_compat.call_body(eqn)).sites
+        inner = program.level(_compat.call_body(eqn)).sites
+        return {k: dataclasses.replace(s, remat=True) for k, s in inner.items()}
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
         body = _compat.call_body(eqn)
@@ -344,21 +345,26 @@ class ShardMap(Rule):
 
 @dataclasses.dataclass
 class Unsupported(Rule):
-    """A construct that cannot be split: its tags carry a problem, raised if they are asked for."""
+    """A construct that cannot be split: its tags carry a problem, raised if they are asked for.
+
+    ``purpose`` is the least that is refused: ``"read"`` (everything), ``"forward"`` (replacing
+    values and tangents; reading works), ``"reverse"`` (gradients only).
+    """
 
     reason: str
     fix: str
+    purpose: str = "read"
 
-    def sites(self, program, eqn):
-        construct = _compat.construct(eqn)
+    def sites(self, program, eqn, bodies=None):
+        construct = _compat.construct(eqn, bodies)
         found: dict = {}
-        for body in _compat.sub_jaxprs(eqn.params):
+        for body in _compat.sub_jaxprs(eqn.params) if bodies is None else bodies:
             for key, site in program.level(body).sites.items():
                 problem = (
-                    f"Cannot split the tag {site.name!r} (at {site.where}): it is inside {construct}, "
-                    f"and {self.reason}. {self.fix}"
+                    f"Cannot {_VERBS[self.purpose]} the tag {site.name!r} (at {site.where}): it is inside "
+                    f"{construct}, and {self.reason}. {self.fix}"
                 )
-                found[key] = with_problem(site, problem)
+                found[key] = with_problem(site, problem, self.purpose)
         return found
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
@@ -367,17 +373,83 @@ class Unsupported(Rule):
         return _compat.bind_equation(eqn, invals), _NO_SITES
 
 
-_WHILE = Unsupported(
-    "a while_loop's trip count is not known when tracing, so JAX cannot differentiate it in reverse "
-    "mode and jaxtrace cannot stack its iterations",
-    "Use lax.scan, or lax.fori_loop with Python-int bounds (which becomes a scan), or move the tag "
-    "outside the loop.",
-)
-_CUSTOM = Unsupported(
-    "JAX treats a function with a custom derivative (jax.custom_jvp / jax.custom_vjp, as in odeint) as a "
-    "unit: it differentiates it with its own rule, so no gradient exists at values inside it, and jaxtrace "
-    "cannot read, replace or push tangents to them without bypassing that rule",
-    "Move the tag outside that function: tag its inputs or its output instead.",
+_VERBS = {"read": "split", "forward": "replace or differentiate", "reverse": "take a gradient at"}
+
+
+class While(Rule):
+    """``lax.while_loop``: forward only, no loop axis.
+
+    Its trip count is not known when tracing, so its iterations cannot be
+    stacked and JAX cannot differentiate it in reverse mode. A tag in the body
+    holds the value of the *last* iteration (zeros if the loop runs zero
+    times): ``capture`` and ``jvp`` read it; a ``patch`` applies at every
+    iteration (a value replaces every iteration's). Gradients are refused.
+    """
+
+    refusal = Unsupported(
+        "a while_loop's trip count is not known when tracing, so JAX cannot differentiate it in reverse "
+        "mode (capture, jvp and patch work there: they see the last iteration)",
+        "Use lax.scan, or lax.fori_loop with Python-int bounds (which becomes a scan), or move the tag "
+        "outside the loop.",
+        purpose="reverse",
+    )
+    in_condition = Unsupported(
+        "a tag in a while_loop's condition function is evaluated once more than the body",
+        "Tag the value in the body, or outside the loop.",
+    )
+
+    def sites(self, program, eqn):
+        p = _compat.while_params(eqn)
+        return {**self.in_condition.sites(program, eqn, [p.cond]), **self.refusal.sites(program, eqn, [p.body])}
+
+    def evaluate(self, splitter, eqn, invals, inputs, active):
+        p = _compat.while_params(eqn)
+        cond_consts = invals[: p.cond_nconsts]
+        body_consts = invals[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
+        init = invals[p.cond_nconsts + p.body_nconsts :]
+
+        def cond_fn(state):
+            (pred,), _ = splitter.eval_jaxpr(p.cond, [*cond_consts, *state[0]], {})
+            return pred
+
+        def body_fn(state):
+            outs, outputs = splitter.eval_jaxpr(p.body, [*body_consts, *state[0]], inputs)
+            return outs, {k: outputs[k] for k in state[1]}
+
+        carry, outputs = lax.while_loop(cond_fn, body_fn, (list(init), splitter.output_zeros(active)))
+        return list(carry), outputs
+
+
+class CustomDerivative(Rule):
+    """``jax.custom_jvp`` / ``jax.custom_vjp`` functions: their tags can be read, not written.
+
+    JAX treats such a function as a unit with its own derivative rule. Its
+    outputs come from the call as it is (so the rule still applies); the
+    values at its tags come from its primal function, evaluated beside it
+    (under ``jit`` XLA merges the two). Replacing those values, pushing
+    tangents to them or differentiating at them would bypass the rule.
+    """
+
+    refusal = Unsupported(
+        "JAX treats a function with a custom derivative (jax.custom_jvp / jax.custom_vjp, as in odeint) as a "
+        "unit: it differentiates it with its own rule, so no gradient or tangent exists at values inside it, "
+        "and replacing them would bypass that rule (capture can read them)",
+        "Move the tag outside that function: tag its inputs or its output instead.",
+        purpose="forward",
+    )
+
+    def sites(self, program, eqn):
+        return self.refusal.sites(program, eqn, [_compat.custom_primal(eqn)])
+
+    def evaluate(self, splitter, eqn, invals, inputs, active):
+        outs = _compat.bind_equation(eqn, invals)
+        _, outputs = splitter.eval_jaxpr(_compat.custom_primal(eqn), invals, inputs)
+        return outs, outputs
+
+
+_LINEAR = Unsupported(
+    "it is a linearized custom rule (custom_lin) that JAX evaluates as a unit",
+    "Move the tag outside the function with the custom derivative.",
 )
 
 RULES: dict[str, Rule] = {}
@@ -386,8 +458,9 @@ for names, rule in [
     (_compat.COND, Cond()),
     (_compat.INLINE_CALLS, Inline()),
     (_compat.REMAT, Remat()),
-    (_compat.WHILE, _WHILE),
-    (_compat.CUSTOM_DERIVATIVES, _CUSTOM),
+    (_compat.WHILE, While()),
+    (_compat.CUSTOM_DERIVATIVES, CustomDerivative()),
+    (_compat.CUSTOM_LINEAR, _LINEAR),
     (_compat.SHARD_MAP, ShardMap()),
 ]:
     for name in names:
@@ -462,7 +535,7 @@ class Split:
     in ``outputs``.
     """
 
-    def __init__(self, fun, args, kwargs, argnums, tags, *, dynamic=_always):
+    def __init__(self, fun, args, kwargs, argnums, tags, *, dynamic=_always, purpose="reverse"):
         args = tuple(args)
         for a in argnums:
             if not -len(args) <= a < len(args):
@@ -493,7 +566,7 @@ class Split:
             jaxpr = jax.make_jaxpr(flat_fun)(*[l for l, m in zip(leaves, mask) if m])
         self.program = Program(jaxpr)
         _report_evaluated(evaluated, self.program.sites, tags)
-        self.sites = select(self.program.sites, tags)
+        self.sites = select(self.program.sites, tags, purpose)
 
     def __call__(self, args, site_fn: SiteFn, inputs: dict, outputs=()) -> tuple[Any, dict]:
         """``fun(*args)`` (for the traced arguments) split at the selected sites."""

@@ -263,12 +263,16 @@ def test_odeint_dynamics_name_the_custom_rule():
     def f(a):
         return jnp.sum(odeint(lambda y, t, a: -a * jt.tag(y, "y"), jnp.ones(2), jnp.array([0.0, 1.0]), a))
 
-    for transform in (jt.grad, jt.capture):
+    for transform in (jt.grad, lambda f: jt.patch(f, {"y": lambda v: v})):
         with pytest.raises(jt.TagError) as info:
             transform(f)(1.0)
         message = str(info.value)
         assert "'y'" in message and "custom_vjp_call" in message and "_odeint" in message
         assert "Move the tag outside" in message and "used at" not in message
+    # Reading is allowed inside a custom rule, and odeint calls the dynamics several times (before its
+    # while loop and per stage inside it): the plain tag is then the usual "several sites" error.
+    with pytest.raises(jt.TagError, match="'y' is used at"):
+        jt.capture(f)(1.0)
 
 
 def test_python_control_flow_on_a_value_says_the_function_is_traced():
@@ -395,3 +399,32 @@ def test_vmapped_cond_without_tags_is_left_to_jax():
     f = jax.vmap(lambda x: lax.cond(x > 0, jnp.sin, jnp.cos, x))
     assert str(jax.make_jaxpr(f)(XS)).count("select_n") >= 1
     assert "jaxtrace" not in str(jax.make_jaxpr(f)(XS))
+
+
+# --- a trace JAX reuses for two uses is two uses, never merged as copies --------------------
+
+
+def test_a_cached_jit_called_twice_is_two_calls(maybe_jit):
+    g = jax.jit(lambda x: jt.tag(jnp.sin(x), "r", repeated=True))
+    f = lambda x: jnp.sum(g(g(x)) ** 2)  # noqa: E731
+    f_eps = lambda x, e: jnp.sum((jnp.sin(jnp.sin(x) + e[0]) + e[1]) ** 2)  # noqa: E731
+    e0 = jnp.zeros((2, 3))
+    _, tag_grads = maybe_jit(jt.grad(f))(X)
+    assert_trees_close(tag_grads["r"], jax.grad(f_eps, argnums=1)(X, e0))
+    _, values = maybe_jit(jt.capture(f))(X)
+    assert_trees_close(values["r"], jnp.stack([jnp.sin(X), jnp.sin(jnp.sin(X))]))
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda g, x: g(g(x)),
+        lambda g, x: g(x) + jax.jvp(g, (2 * x,), (x,))[1],
+        lambda g, x: jax.grad(lambda x: jnp.sum(jax.checkpoint(g)(x) * jax.checkpoint(g)(2 * x)))(x),
+    ],
+    ids=["jit-twice", "jvp-of-cached", "checkpoint-twice-under-grad"],
+)
+def test_reused_traces_of_a_plain_tag_are_an_error_not_a_merge(use):
+    g = jax.jit(lambda x: jt.tag(jnp.sin(x), "n"))
+    with pytest.raises(jt.TagError, match="'n' is used at 2 sites"):
+        jt.grad(lambda x: jnp.sum(use(g, x)))(X)

@@ -81,12 +81,73 @@ def test_capture_under_vmap_and_vmap_inside(maybe_jit):
     assert_trees_close(values["r"], jnp.sin(X))
 
 
-def test_capture_while_loop_is_an_error():
-    def f(x):
-        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jt.tag(c[1] * 2.0, "w")), (0, x))[1]
+def while_model(x, scale=None, trips=3):
+    """A while loop whose body tags 'w'; ``scale`` replaces the tag by ``scale * w`` (the oracle)."""
 
-    with pytest.raises(jt.TagError, match=r"'w'.*while.*lax.scan"):
-        jt.capture(f)(jnp.ones(2))
+    def body(c):
+        w = jnp.sin(c[1]) * 1.5
+        w = jt.tag(w, "w") if scale is None else scale * w
+        return c[0] + 1, w
+
+    return lax.while_loop(lambda c: c[0] < trips, body, (0, x))[1]
+
+
+@pytest.mark.parametrize("trips", [3, 0])
+def test_while_loop_forward_sees_the_last_iteration(maybe_jit, trips):
+    x, t = jnp.array([0.3, 0.6]), jnp.array([1.0, -2.0])
+    out, values = maybe_jit(jt.capture(lambda x: while_model(x, trips=trips)))(x)
+    assert_trees_close(out, while_model(x, 1.0, trips))
+    assert_trees_close(values["w"], while_model(x, 1.0, trips) if trips else jnp.zeros(2))  # zero trips: zeros
+    out, out_dot, tangents = maybe_jit(lambda x, t: jt.jvp(lambda x: while_model(x, trips=trips), (x,), (t,)))(x, t)
+    want, want_dot = jax.jvp(lambda x: while_model(x, 1.0, trips), (x,), (t,))
+    assert_trees_close((out, out_dot), (want, want_dot))
+    assert_trees_close(tangents["w"], want_dot if trips else jnp.zeros(2))
+    patched = maybe_jit(jt.patch(lambda x: while_model(x, trips=trips), {"w": lambda w: 0.5 * w}))(x)
+    assert_trees_close(patched, while_model(x, 0.5, trips))
+    replaced = maybe_jit(jt.patch(lambda x: while_model(x, trips=trips), {"w": jnp.array([2.0, 3.0])}))(x)
+    assert_trees_close(replaced, jnp.array([2.0, 3.0]) if trips else x)
+
+
+def test_while_loop_gradient_is_refused_with_the_reason():
+    with pytest.raises(jt.TagError, match=r"gradient at the tag 'w'.*`while` of body.*reverse mode.*lax.scan"):
+        jt.grad(lambda x: jnp.sum(while_model(x)))(jnp.ones(2))
+
+
+def custom_model(x, kind):
+    """``sin(tag(2x))`` inside a custom_jvp or custom_vjp function whose rule scales the tangent by 10."""
+    if kind == "jvp":
+
+        @jax.custom_jvp
+        def g(x):
+            return jnp.sin(jt.tag(2.0 * x, "inside"))
+
+        g.defjvp(lambda p, t: (g(p[0]), 10.0 * t[0]))
+    else:
+
+        @jax.custom_vjp
+        def g(x):
+            return jnp.sin(jt.tag(2.0 * x, "inside"))
+
+        g.defvjp(lambda x: (g(x), None), lambda _, ct: (10.0 * ct,))
+    return jnp.sum(g(x) * x)
+
+
+@pytest.mark.parametrize("kind", ["jvp", "vjp"])
+def test_custom_derivative_tags_can_be_read_and_the_rule_still_applies(maybe_jit, kind):
+    x = jnp.array([0.3, -0.8])
+    out, values = maybe_jit(jt.capture(lambda x: custom_model(x, kind)))(x)
+    assert_trees_close(out, jnp.sum(jnp.sin(2 * x) * x))
+    assert_trees_close(values["inside"], 2 * x)
+    # The captured function is still differentiated with the custom rule (10, not 2 cos(2x)).
+    got = jax.grad(lambda x: jt.capture(lambda x: custom_model(x, kind))(x)[0])(x)
+    assert_trees_close(got, jnp.sin(2 * x) + 10.0 * x)
+    for refused in (
+        lambda f: jt.jvp(f, (x,), (x,)),
+        lambda f: jt.patch(f, {"inside": lambda v: v})(x),
+        lambda f: jt.grad(f)(x),
+    ):
+        with pytest.raises(jt.TagError, match=r"'inside'.*custom_.*own rule.*capture can read them"):
+            refused(lambda x: custom_model(x, kind))
 
 
 def test_jvp_tangents_at_tags(maybe_jit):
