@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._ad import grad as grad
+from ._ad import jacrev as jacrev
 from ._ad import value_and_grad as value_and_grad
 from ._ad import vjp as vjp
 from ._compare import Comparison as Comparison

@@ -12,6 +12,8 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from . import _compat
 from ._perturb import perturb
@@ -190,3 +192,71 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection 
 def _split_cotangents(tag_tree, pullback, ct):
     primal_cts, eps_cts = pullback(ct)
     return primal_cts, tag_tree(eps_cts)
+
+
+def jacrev(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    with_values: bool = False,
+) -> Callable:
+    """Like ``jax.jacrev``, and also the Jacobians at the tags: which output reaches which tag.
+
+    Returns a function that returns ``(jac, tag_jacs)``, or with ``has_aux``
+    ``((jac, tag_jacs), aux)``; ``with_values=True`` appends the forward values
+    at the tags. ``jac`` is what ``jax.jacrev(fun, argnums)`` returns.
+    ``tag_jacs[name]`` has the output's pytree structure; each of its leaves
+    is the tagged value's pytree, each array of shape
+    ``output_leaf.shape + tag_shape`` (the tag's shape by the usual layout:
+    loop axes, vmap axes, its own shape). One forward pass; the pullback is
+    ``jax.vmap``-ed over the output's basis, as in ``jax.jacrev``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> def losses(w):
+        ...     h = jt.tag(w * jnp.arange(3.0), "h")
+        ...     return {"main": jnp.sum(h), "aux": jnp.sum(jnp.sin(jax.lax.stop_gradient(h)))}
+        >>> import jax
+        >>> jac, tag_jacs = jt.jacrev(losses)(2.0)
+        >>> tag_jacs["h"]["main"].tolist(), tag_jacs["h"]["aux"].tolist()  # aux does not reach h
+        ([1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+    """
+    check_callable(fun, "jaxtrace.jacrev")
+    check_tags(tags)
+    nums = _normalize_argnums(argnums)
+
+    @functools.wraps(fun)
+    def jacrev_fun(*args, **kwargs):
+        split, run, eps = _split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
+        out, pullback, (aux, values) = jax.vjp(run, split.args, eps, has_aux=True)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        for leaf in out_leaves:
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                raise TypeError(
+                    f"jaxtrace.jacrev needs real floating-point outputs, as jax.jacrev does, but got an output of "
+                    f"dtype {jnp.result_type(leaf)}. Cast it, or leave it out of the differentiated output."
+                )
+        sizes = [int(np.prod(jnp.shape(leaf))) for leaf in out_leaves]
+        basis = jnp.eye(sum(sizes), dtype=jnp.result_type(*out_leaves))
+        offsets = np.cumsum([0, *sizes])
+        cts = [basis[:, a:b].reshape(-1, *jnp.shape(leaf)) for a, b, leaf in zip(offsets, offsets[1:], out_leaves)]
+        g_args, g_eps = jax.vmap(pullback)(jax.tree_util.tree_unflatten(out_tree, cts))
+        g_args = g_args[0] if isinstance(argnums, int) else g_args
+
+        def rows(tree, i, shape):  # the rows of output leaf i, with the leaf's shape in front
+            a, b = offsets[i], offsets[i + 1]
+            return jax.tree_util.tree_map(lambda g: g[a:b].reshape(*shape, *g.shape[1:]), tree)
+
+        shapes = [jnp.shape(leaf) for leaf in out_leaves]
+        jac = jax.tree_util.tree_unflatten(out_tree, [rows(g_args, i, s) for i, s in enumerate(shapes)])
+        per_leaf = [split.tag_tree(rows(g_eps, i, s), lead=s) for i, s in enumerate(shapes)]
+        tag_jacs = {
+            name: jax.tree_util.tree_unflatten(out_tree, [leaf_jacs[name] for leaf_jacs in per_leaf])
+            for name in (per_leaf[0] if per_leaf else {})
+        }
+        result = ((jac, tag_jacs), aux) if has_aux else (jac, tag_jacs)
+        return (*result, split.tag_tree(values)) if with_values else result
+
+    return jacrev_fun

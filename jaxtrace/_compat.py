@@ -21,6 +21,7 @@ from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 
 Primitive = _core.Primitive
+Tracer = _core.Tracer
 Literal = _core.Literal
 DropVar = _core.DropVar
 Jaxpr = _core.Jaxpr

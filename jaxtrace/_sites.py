@@ -70,10 +70,10 @@ class Site:
         perm = (*range(n), *(n + a for a in self.batch_axes), *(n + a for a in rest))
         return None if perm == tuple(range(len(perm))) else perm
 
-    def to_user(self, value):
-        """From the program's layout to the documented one (vmap axes first)."""
+    def to_user(self, value, lead: int = 0):
+        """From the program's layout to the documented one (vmap axes first), after ``lead`` axes."""
         perm = self._perm()
-        return value if perm is None else jnp.transpose(value, perm)
+        return value if perm is None else jnp.transpose(value, (*range(lead), *(lead + p for p in perm)))
 
     def from_user(self, value):
         perm = self._perm()
@@ -88,8 +88,8 @@ class Site:
     def zeros(self):
         return _compat.zeros(self.shape, self.dtype, self.aval)
 
-    def float0_zeros(self):
-        return np.zeros(self.user_shape(), dtype=_compat.float0)
+    def float0_zeros(self, lead: tuple = ()):
+        return np.zeros((*lead, *self.user_shape()), dtype=_compat.float0)
 
     def describe(self) -> str:
         loops = f" with leading axes {self.stack}" if self.stack else ""
@@ -352,8 +352,8 @@ def select(sites: dict, tags: TagSelection, purpose: str = "reverse") -> list[Si
     return chosen
 
 
-def assemble(sites: Sequence[Site], values: dict) -> dict:
-    """``{name: pytree}`` from per-site values in the program's layout.
+def assemble(sites: Sequence[Site], values: dict, lead: tuple = ()) -> dict:
+    """``{name: pytree}`` from per-site values in the program's layout, after ``lead`` axes.
 
     A site missing from ``values`` (an integer or boolean tag under
     differentiation) gets float0 zeros, as ``jax.grad`` gives integer inputs.
@@ -364,6 +364,9 @@ def assemble(sites: Sequence[Site], values: dict) -> dict:
     out = {}
     for name, group in by_name.items():
         group = sorted(group, key=lambda s: s.leaf)
-        leaves = [site.to_user(values[site.key]) if site.key in values else site.float0_zeros() for site in group]
+        leaves = [
+            site.to_user(values[site.key], len(lead)) if site.key in values else site.float0_zeros(lead)
+            for site in group
+        ]
         out[name] = jax.tree_util.tree_unflatten(group[0].tree, leaves)
     return out

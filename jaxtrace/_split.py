@@ -560,6 +560,8 @@ class Split:
             return [leaf for leaf in out_leaves if _is_traced(leaf)]
 
         self._mask = mask
+        self.out_tree: Any = None
+        self._static: dict = {}
         with jax.disable_jit(False), _explain_tracer_errors(fun), evaluated_tags() as evaluated:
             # Traced as under jit even inside jax.disable_jit(): a scan stays one scan, so a tag in
             # its body is one site, laid out as it is under jit.
@@ -581,6 +583,6 @@ class Split:
     def keys(self) -> list:
         return [site.key for site in self.sites]
 
-    def tag_tree(self, values: dict) -> dict:
-        """``{name: pytree}`` in the documented layout, from per-site values."""
-        return assemble(self.sites, values)
+    def tag_tree(self, values: dict, lead: tuple = ()) -> dict:
+        """``{name: pytree}`` in the documented layout, from per-site values (after ``lead`` axes)."""
+        return assemble(self.sites, values, lead)

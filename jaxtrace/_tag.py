@@ -162,7 +162,7 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
         for i, leaf in enumerate(leaves)
     ]
     lost = _EVALUATED.get()
-    if lost is not None and not any(isinstance(t, jax.core.Tracer) for t in tagged):
+    if lost is not None and not any(isinstance(t, _compat.Tracer) for t in tagged):
         lost.setdefault(name, _user_line())  # evaluated now, not staged: see ``evaluated_tags``
     return jax.tree_util.tree_unflatten(tree, tagged)
 

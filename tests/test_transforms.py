@@ -361,7 +361,7 @@ def _hlo(fun, *args):
     return text
 
 
-@pytest.mark.parametrize("case", ["mlp", "scan", "vmap_axis1", "cond"])
+@pytest.mark.parametrize("case", ["mlp", "scan", "vmap_axis1", "cond", "vmap_cond"])
 def test_jax_grad_of_tagged_function_compiles_to_same_hlo(case):
     def model(w, x, mark):
         if case == "mlp":
@@ -370,6 +370,9 @@ def test_jax_grad_of_tagged_function_compiles_to_same_hlo(case):
             return jnp.sum(lax.scan(lambda c, xi: (mark(jnp.tanh(c @ w + xi), "h"), None), x[0], XS[:, 0])[0])
         if case == "vmap_axis1":
             return jnp.sum(jax.vmap(lambda col: mark(jnp.sin(w * col), "v"), in_axes=1)(x.T))
+        if case == "vmap_cond":  # a per-example predicate: jaxtrace masks the tags in the branches
+            branch = lambda r: lax.cond(r.sum() > 0, lambda r: mark(jnp.sin(r), "b"), lambda r: mark(r * 3, "b"), r)  # noqa: E731,E501
+            return jnp.sum(jax.vmap(branch)(x[:, None] * w))
         return jnp.sum(lax.cond(x.sum() > 0, lambda a: mark(a * 2, "c"), lambda a: a, x @ w))
 
     tagged = jax.grad(lambda w, x: model(w, x, jt.tag))
