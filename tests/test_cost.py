@@ -171,3 +171,17 @@ def test_traced_once_and_not_again_for_same_shapes():
     assert len(traces) == 1
     step(WS, jnp.ones((3, 4)))  # a new shape traces again, once
     assert len(traces) == 2
+
+
+def test_jacrev_runs_one_forward_pass():
+    """jt.jacrev under jit computes the forward pass once, as jax.jacrev does: as many tanh ops."""
+
+    def outputs(ws, x, mark):
+        h = x
+        for i, w in enumerate(ws):
+            h = mark(jnp.tanh(h @ w), f"layer{i}", None)
+        return jnp.stack([jnp.mean(h**2), jnp.mean(jnp.sin(h))])
+
+    tagged = hlo(jt.jacrev(lambda ws, x: outputs(ws, x, tag)), WS, X)
+    plain_jac = hlo(jax.jacrev(lambda ws, x: outputs(ws, x, plain)), WS, X)
+    assert tagged.count(" tanh(") == plain_jac.count(" tanh(") == len(WS)
