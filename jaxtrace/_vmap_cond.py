@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._split import Program, Splitter
-from ._tag import tag_p
+from ._tag import is_tag, tag_p
 
 _CONDS = itertools.count()
 
@@ -31,8 +31,13 @@ def _keep(site, x, _):
     return x
 
 
+def _contains_tag(jaxpr) -> bool:
+    jaxpr, _ = _compat.jaxpr_and_consts(jaxpr)
+    return any(is_tag(eqn) or any(map(_contains_tag, _compat.sub_jaxprs(eqn.params))) for eqn in jaxpr.eqns)
+
+
 def _batched_cond(rule, axis_data, args, dims, *, branches, **params):
-    if dims[0] is _compat.not_mapped or not any(Program(b).sites for b in branches):
+    if dims[0] is _compat.not_mapped or not any(map(_contains_tag, branches)):
         return rule(axis_data, args, dims, branches=branches, **params)
     cond = next(_CONDS)
     index_aval = jax.ShapeDtypeStruct((), args[0].dtype)
