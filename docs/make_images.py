@@ -21,6 +21,7 @@ PICTURES = {  # example -> (picture, width in the README)
     "gradcam.py": ("gradcam.png", 600),
     "rnn_vanishing.py": ("rnn_vanishing.png", 800),
     "attribution_patching.py": ("attribution_patching.png", 900),
+    "loss_paths.py": ("loss_paths.png", 900),
 }
 
 

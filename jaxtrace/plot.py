@@ -34,7 +34,7 @@ except ImportError as error:  # pragma: no cover - exercised without matplotlib
         '`pip install -e ".[plot]"` from a jaxtrace checkout (or `pip install matplotlib`).'
     ) from error
 
-__all__ = ["grad_flow", "timestep_norms", "overlay"]
+__all__ = ["grad_flow", "timestep_norms", "overlay", "paths"]
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -270,4 +270,57 @@ def overlay(
             ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
         if titles is not None:
             ax.set_title(titles[i], fontsize=9)
+    return _finish(fig, path)
+
+
+def paths(
+    table,
+    stat: str = "norm",
+    tags: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    path: str | os.PathLike | None = None,
+) -> Figure:
+    """Which loss term reaches which tag: a heatmap of ``log10`` of ``stat``, tags x terms.
+
+    ``table`` is what ``jt.stats.summarize(tag_jacs, terms=...)`` returns.
+    Rows are tags (in ``tags`` order, else the table's), columns are terms.
+    A cell that is exactly zero (the term does not reach the tag: a detached
+    path) is grey and marked with a cross, apart from the colour scale.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxtrace import plot
+        >>> table = {"h": {"ce": {"norm": np.float32(0.5)}, "aux": {"norm": np.float32(0.0)}}}
+        >>> fig = plot.paths(table)
+        >>> fig.axes[0].get_xticklabels()[1].get_text()
+        'aux'
+    """
+    table = {name: dict(per_term) for name, per_term in dict(table).items()}
+    names = list(table) if tags is None else list(tags)
+    terms = list(dict.fromkeys(t for name in names for t in table[name]))
+    values = np.full((len(names), len(terms)), np.nan)
+    for i, name in enumerate(names):
+        for j, term in enumerate(terms):
+            cell = table[name].get(term, {}).get(stat)
+            if cell is not None:
+                values[i, j] = float(np.nanmax(np.asarray(cell, dtype=np.float64)))
+    zero = values == 0
+    logs = np.log10(_positive(values))
+    fig = _figure(1.6 + 1.1 * len(terms), 1.2 + 0.42 * len(names))
+    ax = fig.subplots()
+    cmap = matplotlib.colormaps["magma"].copy()
+    cmap.set_bad("#d9d9d9")
+    image = ax.imshow(np.ma.masked_invalid(logs), cmap=cmap, aspect="auto")
+    for i, j in zip(*np.nonzero(zero)):
+        ax.text(j, i, "x  no path", ha="center", va="center", fontsize=8, color="#b30000")
+    for i, j in zip(*np.nonzero(np.isfinite(logs))):
+        ax.text(j, i, f"{values[i, j]:.2g}", ha="center", va="center", fontsize=8,
+                color="white" if logs[i, j] < np.nanmean(logs) else "black")
+    ax.set_xticks(range(len(terms)), [t or "(output)" for t in terms])
+    ax.set_yticks(range(len(names)), [n or '""' for n in names])
+    ax.set_xlabel("loss term")
+    ax.set_ylabel("tag")
+    ax.set_title(title or f"|d term / d tag| ({stat})")
+    fig.colorbar(image, ax=ax, label=f"log10 {stat}")
     return _finish(fig, path)

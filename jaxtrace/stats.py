@@ -52,8 +52,12 @@ LoopAxes = Union[int, Mapping[str, int], Callable[[str], int]]
 
 
 def summarize(
-    values: Mapping[str, Any], *, loop_axes: LoopAxes = 0, stats: str | Sequence[str] = STATS
-) -> dict[str, dict[str, jax.Array]]:
+    values: Mapping[str, Any],
+    *,
+    loop_axes: LoopAxes = 0,
+    stats: str | Sequence[str] = STATS,
+    terms: Any = None,
+) -> dict[str, Any]:
     """Per-tag summaries of gradients (or any arrays), for use inside ``jax.jit``.
 
     ``values`` is a dict ``{name: pytree of arrays}``, such as the
@@ -75,6 +79,15 @@ def summarize(
     results have the gradient's real dtype, at least float32. A ``float0``
     leaf (the gradient of an integer tag) counts as zeros.
 
+    With ``terms``, ``values`` is the ``tag_jacs`` of :func:`jaxtrace.jacrev`
+    and ``terms`` the function's output (or ``jax.eval_shape`` of it): each
+    tag is then summarised per output leaf ("term"), ``{name: {term: {stat:
+    array}}}``, the term named by its path in the output (``"ce"`` for
+    ``{"ce": ...}``, ``""`` for a single array). The term's own axes are
+    reduced too; ``loop_axes`` counts the tag's loop axes. An exact zero
+    means the term does not reach the tag at all (:func:`format_paths`
+    marks it).
+
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
         >>> s = jt.stats.summarize({"h": jnp.array([[3.0, -4.0], [0.0, jnp.inf]])}, loop_axes=1)
@@ -87,7 +100,80 @@ def summarize(
             "jaxtrace.stats.summarize takes a dict {name: pytree of arrays} (such as tag_grads), "
             f"got {type(values).__name__}. Wrap a single tree as {{'name': tree}}."
         )
+    if terms is not None:
+        return {name: _per_term(name, value, terms, _axes_for(loop_axes, name), stats) for name, value in values.items()}
     return {name: _summarize_one(name, value, _axes_for(loop_axes, name), stats) for name, value in values.items()}
+
+
+def term_name(path) -> str:
+    """A term's name from its path in the output: ``"ce"``, ``"losses.0"``, ``""`` for the root."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def _per_term(name: str, value, terms, keep: int, stats: tuple) -> dict:
+    """``{term: {stat: array}}`` for one tag of ``tag_jacs``: the output's leaves split off first."""
+    paths_and_leaves, structure = jax.tree_util.tree_flatten_with_path(terms)
+    try:
+        parts = structure.flatten_up_to(value)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"jaxtrace.stats.summarize: tag_jacs[{name!r}] does not have the structure of terms= "
+            f"({structure}) at its top. Pass the output of the function given to jt.jacrev (or "
+            "jax.eval_shape of it) as terms=."
+        ) from None
+    out = {}
+    for (path, leaf), part in zip(paths_and_leaves, parts):
+        n = len(np.shape(leaf))
+        # The term's own axes come first in a Jacobian; move them behind the tag's loop axes.
+        moved = jax.tree_util.tree_map(lambda a: jnp.moveaxis(jnp.asarray(_as_float(a)), tuple(range(n)), tuple(range(-n, 0))), part)
+        out[term_name(path)] = _summarize_one(f"{name}/{term_name(path)}", moved, keep, stats)
+    return out
+
+
+def format_paths(
+    table: Mapping[str, Mapping[str, Mapping[str, Any]]], stat: str = "norm", tags: Sequence[str] | None = None
+) -> str:
+    """The tag x term table of :func:`summarize` ``(tag_jacs, terms=...)`` as text.
+
+    One row per tag, in ``tags`` order if given, else the table's (forward
+    order eagerly; ``jax.jit`` returns dicts sorted by key), one column per
+    term; each cell is ``stat`` (the largest over kept loop axes). A term that does not reach a tag at all (exactly zero) shows as
+    ``0 (none)``: a detached path (a stray ``stop_gradient``) looks like that.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> table = {"h": {"ce": {"norm": jnp.float32(0.5)}, "aux": {"norm": jnp.float32(0.0)}}}
+        >>> print(jt.stats.format_paths(table))
+        tag  ce        aux
+        h    0.5       0 (none)
+    """
+    names = list(table) if tags is None else list(tags)
+    terms = list(dict.fromkeys(t for name in names for t in table[name]))
+    rows = [["tag", *[t or "(output)" for t in terms]]]
+    for name in names:
+        row = [name or '""']
+        for term in terms:
+            cell = table[name].get(term, {}).get(stat)
+            if cell is None:
+                row.append("-")
+                continue
+            cell = np.asarray(cell)
+            if np.all(cell == 0):
+                row.append("0 (none)")
+            else:
+                row.append(f"{float(np.nanmax(cell)):.3g}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths[1:-1] = [max(w, 8) for w in widths[1:-1]]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def _stat_names(stats: str | Sequence[str]) -> tuple:

@@ -16,6 +16,7 @@ EXAMPLES = {
     "gradcam.py": ["gradcam.png"],
     "rnn_vanishing.py": ["rnn_vanishing.png"],
     "attribution_patching.py": ["attribution_patching.png"],
+    "loss_paths.py": ["loss_paths.png"],
 }
 
 

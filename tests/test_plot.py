@@ -144,5 +144,19 @@ def test_overlay(tmp_path):
 
 
 @needs_matplotlib
+def test_paths_heatmap_marks_terms_that_do_not_reach_a_tag(tmp_path):
+    table = {
+        "h": {"ce": {"norm": np.float32(0.5)}, "aux": {"norm": np.float32(0.0)}},
+        "g": {"ce": {"norm": np.ones(3) * 0.05}, "aux": {"norm": np.float32(3.0)}},
+    }
+    fig = plot.paths(table, tags=["g", "h"], path=tmp_path / "paths.png")
+    assert (tmp_path / "paths.png").read_bytes()[:8] == PNG
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["g", "h"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ce", "aux"]
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("x  no path") == 1 and "0.05" in texts and "3" in texts
+
+
 def test_docstring_examples():
     assert doctest.testmod(plot, optionflags=doctest.ELLIPSIS).failed == 0

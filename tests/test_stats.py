@@ -255,3 +255,48 @@ def test_readme_statistics_example_runs():
 
 def test_docstring_examples():
     assert doctest.testmod(stats, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def _terms_model(w, xs, detach=False):
+    """A scan-tagged state and a plain tag; three terms, one cut by stop_gradient when detach."""
+
+    def step(c, x):
+        c = jt.tag(jnp.tanh(w * c + x), "c")
+        return c, c
+
+    c, cs = lax.scan(step, jnp.zeros(2), xs)
+    h = jt.tag(jnp.sin(c), "h")
+    aux_in = lax.stop_gradient(cs) if detach else cs
+    return {"main": jnp.sum(h**2), "aux": jnp.mean(aux_in**2), "vec": h * 2.0}
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_summarize_tag_jacobians_per_term(maybe_jit, detach):
+    xs = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
+    fun = lambda w: _terms_model(w, xs, detach)  # noqa: E731
+
+    def table_of(w):
+        _, tag_jacs = jt.jacrev(fun)(w)
+        return stats.summarize(tag_jacs, terms=jax.eval_shape(fun, w), loop_axes={"c": 1}), tag_jacs
+
+    table, tag_jacs = maybe_jit(table_of)(0.7)
+    # Each entry is the statistic of that term's Jacobian block, its own axes reduced, loop axes kept.
+    for name, per_term in table.items():
+        for term, jac in tag_jacs[name].items():
+            out_ndim = {"main": 0, "aux": 0, "vec": 1}[term]
+            keep = 1 if name == "c" else 0
+            moved = np.moveaxis(np.asarray(jac), tuple(range(out_ndim)), tuple(range(-out_ndim, 0)))
+            flat = moved.reshape(moved.shape[:keep] + (-1,))
+            np.testing.assert_allclose(per_term[term]["norm"], np.linalg.norm(flat, axis=-1), rtol=1e-12)
+    assert table["c"]["aux"]["norm"].shape == (4,)
+    assert bool(np.all(table["c"]["aux"]["norm"] == 0)) == detach  # the cut path is exactly zero
+    text = stats.format_paths(table, tags=["c", "h"])
+    assert text.splitlines()[0].split() == ["tag", "aux", "main", "vec"]
+    c_row = text.splitlines()[1]
+    assert ("0 (none)" in c_row) == detach
+    assert "0 (none)" in text.splitlines()[2]  # aux never reaches h
+
+
+def test_summarize_terms_structure_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="structure of terms="):
+        stats.summarize({"h": {"a": jnp.ones(2)}}, terms={"b": 1.0, "c": 2.0})
