@@ -90,3 +90,20 @@ def test_errors():
         jt.jacrev(losses, tags="nope")(W, X)
     with pytest.raises(TypeError, match="floating-point outputs"):
         jt.jacrev(lambda x: jnp.round(jt.tag(x, "h")).astype(int))(X)
+
+
+def test_matrix_output_cond_not_taken_and_checkpoint(maybe_jit):
+    def f(w, x, eps=None):
+        def mark(v, name, i):
+            return jt.tag(v, name) if eps is None else v + eps[i]
+
+        h = jax.checkpoint(lambda x: mark(jnp.tanh(w @ x), "remat", 0))(x)
+        taken = lax.cond(jnp.sum(x) > 100.0, lambda h: mark(h * 3, "never", 1), lambda h: h, h)
+        return jnp.outer(taken, h)  # a matrix output
+
+    e0 = jnp.zeros((2, 3))
+    _, tag_jacs = maybe_jit(jt.jacrev(f))(W, X)
+    want = jax.jacrev(f, argnums=2)(W, X, e0)
+    assert tag_jacs["remat"].shape == (3, 3, 3)
+    assert_trees_close(tag_jacs["remat"], want[..., 0, :])
+    assert_trees_close(tag_jacs["never"], jnp.zeros((3, 3, 3)))  # the branch not taken: zeros
