@@ -51,7 +51,17 @@ def unknown_layout(what: str) -> UnknownLayoutError:
 
 
 def define_primitive(
-    name: str, *, impl, abstract_eval, jvp, batch, lowering, linearize=None, transpose=None, jet=None
+    name: str,
+    *,
+    impl,
+    abstract_eval,
+    jvp,
+    batch,
+    lowering,
+    linearize=None,
+    transpose=None,
+    jet=None,
+    multiple_results: bool = False,
 ) -> Primitive:
     """A new primitive with all its rules, registered with JAX.
 
@@ -67,6 +77,7 @@ def define_primitive(
     at every bind, which costs far more Python time than the primitive's work.
     """
     prim = Primitive(name)
+    prim.multiple_results = multiple_results
     prim.def_impl(impl)
     prim.def_abstract_eval(abstract_eval)
     _ad.primitive_jvps[prim] = jvp

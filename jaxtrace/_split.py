@@ -108,12 +108,15 @@ class Program:
 class Splitter:
     """Evaluates a ``Program`` with the selected sites split open."""
 
-    def __init__(self, program: Program, sites: Sequence[Site], site_fn: SiteFn, outputs: Sequence = (), retag=None):
+    def __init__(
+        self, program: Program, sites: Sequence[Site], site_fn, outputs: Sequence = (), retag=None, call_fn=None
+    ):
         self.program = program
         self.sites = {site.key: site for site in sites}
         self.site_fn = site_fn
         self.output_keys = frozenset(outputs)
         self.retag = retag or _retag
+        self.call_fn = call_fn  # (sites, values) -> values: one jt.tag call, all its leaves at once
 
     def __call__(self, args: Sequence[Any], inputs: dict) -> tuple[list, dict]:
         """Outputs of the program, and ``{key: value}`` for the output sites."""
@@ -128,6 +131,7 @@ class Splitter:
         for var, value in zip(jaxpr.invars, args):
             env[var] = value
         outputs: dict = {}
+        hooked: dict = {}  # outvar -> value: the later leaves of a jt.tag call that call_fn handled at once
         for eqn, inside, slots in zip(jaxpr.eqns, level.eqn_sites, level.slots):
             invals = [_compat.read(env, v) for v in eqn.invars]
             active = {k: s for k, s in inside.items() if k in self.sites} if inside else _NO_SITES
@@ -137,7 +141,12 @@ class Splitter:
                 sub_inputs = {k: slots[k].take(inputs[k]) for k in active if k in inputs}
                 if is_tag(eqn):
                     (key,) = active
-                    new = self.site_fn(self.sites[key], invals[0], _masked_input(invals, sub_inputs.get(key)))
+                    if self.call_fn is not None:
+                        new = hooked.pop(eqn.outvars[0], None)
+                        if new is None:
+                            new = self._call(jaxpr, eqn, env, hooked)
+                    else:
+                        new = self.site_fn(self.sites[key], invals[0], _masked_input(invals, sub_inputs.get(key)))
                     # The tag stays in place, so a transform around this one still finds it.
                     with _compat.source_context(eqn):
                         outvals = [self.retag(eqn, new, invals)]
@@ -150,6 +159,28 @@ class Splitter:
             for var, value in zip(eqn.outvars, outvals):
                 _compat.write(env, var, value)
         return [_compat.read(env, v) for v in jaxpr.outvars], {k: _stack(vs) for k, vs in outputs.items()}
+
+    def _call(self, jaxpr, eqn, env: dict, hooked: dict):
+        """``call_fn`` on every leaf of the jt.tag call whose first leaf is ``eqn``; the others'
+        new values are kept in ``hooked`` for their own equations, which follow it."""
+        p = eqn.params
+        n = p["tree"].num_leaves
+        start = jaxpr.eqns.index(eqn)
+        group = list(jaxpr.eqns[start : start + n])
+        whole = p["leaf"] == 0 and all(
+            is_tag(e) and e.params["call"] == p["call"] and e.params["leaf"] == j for j, e in enumerate(group)
+        )
+        if not whole:
+            raise TagError(
+                f"jaxtrace cannot apply a function to the whole tag {p['name']!r} (at {_compat.source_line(eqn)}): "
+                "JAX placed its leaves apart in the program. Tag each leaf under its own name instead."
+            )
+        sites = [self.sites[(e.params["name"], e.params["leaf"])] for e in group]
+        assert self.call_fn is not None
+        new = self.call_fn(sites, [_compat.read(env, e.invars[0]) for e in group])
+        for e, value in zip(group[1:], new[1:]):
+            hooked[e.outvars[0]] = value
+        return new[0]
 
     def output_zeros(self, active: dict) -> dict:
         """Zeros for the output sites among ``active`` (a cond branch that lacks them)."""
@@ -570,10 +601,10 @@ class Split:
         _report_evaluated(evaluated, self.program.sites, tags)
         self.sites = select(self.program.sites, tags, purpose)
 
-    def __call__(self, args, site_fn: SiteFn, inputs: dict, outputs=()) -> tuple[Any, dict]:
+    def __call__(self, args, site_fn, inputs: dict, outputs=(), call_fn=None) -> tuple[Any, dict]:
         """``fun(*args)`` (for the traced arguments) split at the selected sites."""
         leaves = [leaf for leaf, m in zip(jax.tree_util.tree_leaves(args), self._mask) if m]
-        outs, site_outputs = Splitter(self.program, self.sites, site_fn, outputs)(leaves, inputs)
+        outs, site_outputs = Splitter(self.program, self.sites, site_fn, outputs, call_fn=call_fn)(leaves, inputs)
         it = iter(map(_as_array, outs))
         site_outputs = {k: _as_array(v) for k, v in site_outputs.items()}
         out_leaves = [self._static[i] if i in self._static else next(it) for i in range(self.out_tree.num_leaves)]

@@ -32,6 +32,13 @@ def test_readme_first_example_runs():
     exec(compile(code, "README.md", "exec"), {})
 
 
+@pytest.mark.parametrize("section", ["## Changing gradients", "## Gradient statistics"])
+def test_readme_section_examples_run(section):
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme[readme.index(section) :], re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+
+
 def test_torch_module_docstring_examples():
     pytest.importorskip("torch")
     import jaxtrace.torch

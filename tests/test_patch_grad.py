@@ -1,0 +1,140 @@
+"""jt.patch_grad against hand-written jax.custom_vjp identities at the same points (the oracle),
+float64, eager and under jit, through the constructs and entry points users combine."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import assert_trees_close
+from jax import lax
+
+import jaxtrace as jt
+
+W = jax.random.normal(jax.random.PRNGKey(0), (3, 3)) / 2
+X = jnp.arange(3.0) - 0.5
+XS = jax.random.normal(jax.random.PRNGKey(1), (4, 3))
+
+FNS = {
+    "double": lambda g: 2.0 * g,
+    "reverse": lambda g: -g,
+    "clip": lambda g: jnp.clip(g, -0.05, 0.05),
+    "normalize": lambda g: g / (jnp.linalg.norm(g) + 1e-3),
+}
+
+
+def hook(fn):
+    """The oracle: an identity whose backward applies ``fn``, written by hand."""
+
+    @jax.custom_vjp
+    def identity(x):
+        return x
+
+    identity.defvjp(lambda x: (x, None), lambda _, g: (fn(g),))
+    return identity
+
+
+def model(w, xs, mark):
+    """A scan over rows, a vmap over examples, a cond and a checkpoint, each marking 'h'-like sites."""
+
+    def step(c, x):
+        c = mark(jnp.tanh(w @ c + x), "c")
+        return c, c
+
+    c, cs = lax.scan(step, jnp.zeros(3), xs)
+    per = jax.vmap(lambda r: mark(jnp.sin(w @ r), "v"))(xs)
+    branch = lax.cond(jnp.sum(c) > -10, lambda c: mark(c * 1.5, "k"), lambda c: c, c)
+    remat = jax.checkpoint(lambda b: mark(jnp.tanh(b) * 2, "r"))(branch)
+    return jnp.sum(remat**2) + jnp.mean(per**2) + 0.1 * jnp.sum(cs**3)
+
+
+NAMES = ("c", "v", "k", "r")
+
+
+@pytest.mark.parametrize("kind", sorted(FNS))
+def test_every_construct_against_custom_vjp(maybe_jit, kind):
+    fn = FNS[kind]
+    patched = jt.patch_grad(lambda w, xs: model(w, xs, jt.tag), {n: fn for n in NAMES})
+    oracle = lambda w, xs: model(w, xs, lambda v, n: hook(fn)(v))  # noqa: E731
+    assert_trees_close(maybe_jit(jax.grad(patched, argnums=(0, 1)))(W, XS), jax.grad(oracle, argnums=(0, 1))(W, XS))
+    assert_trees_close(patched(W, XS), model(W, XS, lambda v, n: v))  # the forward pass is unchanged
+
+
+def test_entry_points(maybe_jit):
+    fn = FNS["normalize"]
+    patched = jt.patch_grad(lambda w, xs: model(w, xs, jt.tag), {"c": fn, "v": fn})
+    oracle = lambda w, xs: model(w, xs, lambda v, n: hook(fn)(v) if n in ("c", "v") else v)  # noqa: E731
+    vec = lambda f: (lambda w, xs: jnp.stack([f(w, xs), f(w * 0.5, xs)]))  # noqa: E731
+    assert_trees_close(maybe_jit(jax.jacrev(vec(patched)))(W, XS), jax.jacrev(vec(oracle))(W, XS))
+    _, pull = jax.vjp(patched, W, XS)
+    _, pull_o = jax.vjp(oracle, W, XS)
+    assert_trees_close(pull(1.0), pull_o(1.0))
+    value, (g, tag_grads) = maybe_jit(jt.value_and_grad(patched))(W, XS)
+    assert_trees_close(g, jax.grad(oracle)(W, XS))
+    # jt.grad reports, at a patched tag, the cotangent that arrives there (before fn).
+    plain = jt.grad(lambda w, xs: model(w, xs, jt.tag))(W, XS)[1]
+    assert_trees_close(tag_grads["r"], plain["r"])
+    # Per-example vmap around: fn sees one example's cotangent.
+    one = lambda w, x: patched(w, x[None])  # noqa: E731
+    one_o = lambda w, x: oracle(w, x[None])  # noqa: E731
+    assert_trees_close(jax.vmap(jax.grad(one), (None, 0))(W, XS), jax.vmap(jax.grad(one_o), (None, 0))(W, XS))
+
+
+def test_repeated_pytree_with_values_and_second_order(maybe_jit):
+    def f(w, x, mark):
+        h = x
+        for _ in range(2):
+            pair = mark({"a": jnp.tanh(w @ h), "b": w[0]}, "block")
+            h = pair["a"] + 0.1 * pair["b"]
+        return jnp.sum(h**2)
+
+    fn = lambda g, v: {"a": g["a"] * v["a"], "b": -g["b"]}  # noqa: E731
+
+    def oracle_mark(value, name):
+        @jax.custom_vjp
+        def ident(t):
+            return t
+
+        ident.defvjp(lambda t: (t, t), lambda v, g: (fn(g, v),))
+        return ident(value)
+
+    patched = jt.patch_grad(
+        lambda w, x: f(w, x, lambda v, n: jt.tag(v, n, repeated=True)), {"block": fn}, with_values=True
+    )
+    oracle = lambda w, x: f(w, x, oracle_mark)  # noqa: E731
+    assert_trees_close(maybe_jit(jax.grad(patched))(W, X), jax.grad(oracle)(W, X))
+    # Second order: the gradient of a norm of the patched gradient.
+    norm = lambda g: lambda w, x: jnp.sum(jax.grad(g)(w, x) ** 2)  # noqa: E731
+    assert_trees_close(maybe_jit(jax.grad(norm(patched)))(W, X), jax.grad(norm(oracle))(W, X), rtol=1e-10)
+
+
+def test_forward_mode_sees_unchanged_tangents_and_patch_composes():
+    f = lambda w, x: model(w, x, jt.tag)  # noqa: E731
+    patched = jt.patch_grad(f, {"c": FNS["reverse"]})
+    assert_trees_close(jax.jvp(patched, (W, XS), (W, XS)), jax.jvp(f, (W, XS), (W, XS)))
+    # With jt.patch in either order: the value is replaced, the gradient hook still applies.
+    both = [
+        jt.patch(jt.patch_grad(f, {"r": FNS["double"]}), {"r": lambda v: v * 0.5}),
+        jt.patch_grad(jt.patch(f, {"r": lambda v: v * 0.5}), {"r": FNS["double"]}),
+    ]
+    oracle = lambda w, xs: model(w, xs, lambda v, n: hook(FNS["double"])(v) * 0.5 if n == "r" else v)  # noqa: E731
+    for g in both:
+        assert_trees_close(jax.grad(g)(W, XS), jax.grad(oracle)(W, XS))
+
+
+def test_errors():
+    f = lambda w: jnp.sum(jt.tag(w * 2.0, "h") ** 2)  # noqa: E731
+    with pytest.raises(jt.TagError, match=r"'h'.*returned .*float64\[2\].*given is .*float64\[3\]"):
+        jax.grad(jt.patch_grad(f, {"h": lambda g: g[:2]}))(jnp.ones(3))
+    with pytest.raises(jt.TagError, match="No tag named 'nope'"):
+        jt.patch_grad(f, {"nope": lambda g: g})(jnp.ones(3))
+    with pytest.raises(TypeError, match="callable"):
+        jt.patch_grad(3.0, {})
+    with pytest.raises(TypeError, match="functions of the cotangent"):
+        jt.patch_grad(f, {"h": 2.0})
+    with pytest.raises(jt.TagError, match=r"jax.grad\(jt.patch_grad\(loss"):
+        jt.patch_grad(jax.grad(f), {"h": lambda g: g})(jnp.ones(3))
+
+
+def test_unpatched_tags_cost_nothing():
+    f = lambda w, xs: model(w, xs, jt.tag)  # noqa: E731
+    text = jax.jit(jax.grad(f)).lower(W, XS).as_text()
+    assert "jaxtrace" not in text
