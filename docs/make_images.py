@@ -22,6 +22,7 @@ PICTURES = {  # example -> (picture, width in the README)
     "rnn_vanishing.py": ("rnn_vanishing.png", 800),
     "attribution_patching.py": ("attribution_patching.png", 900),
     "loss_paths.py": ("loss_paths.png", 900),
+    "guided_backprop.py": ("guided_backprop.png", 500),
 }
 
 

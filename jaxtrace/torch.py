@@ -154,7 +154,8 @@ class _Recorder:
     is written back into the caller's tensor (recorded by autograd).
     """
 
-    def __init__(self):
+    def __init__(self, patch_grads: dict | None = None):
+        self.patch_grads = dict(patch_grads or {})  # name -> fn: the hook returns fn(g), as jt.patch_grad
         self.calls: dict[str, list[_Call]] = {}
         self.wrt: list = []  # extra inputs of autograd.grad: leaves made for constants, gradient edges
         self._frames: dict[int, list] = {}  # per module: the calls in progress (a stack, for recursion)
@@ -186,7 +187,7 @@ class _Recorder:
                 # to a parameter or an input (a value that depends only on some other leaf).
                 self.wrt.append(self._edge(alias))
             call.shapes[i] = (tuple(alias.shape), _np_dtype(alias.dtype))
-            alias.register_hook(_store(call, i))
+            alias.register_hook(_store(call, i, self.patch_grads.get(name)))
             new_leaves[i] = alias
         self.calls.setdefault(name, []).append(call)
         return (unflatten(new_leaves) if swaps else value), swaps
@@ -231,9 +232,18 @@ class _Recorder:
         return out
 
 
-def _store(call: _Call, i: int):
+def _store(call: _Call, i: int, fn: Callable | None = None):
     def hook(g):
-        call.grads[i] = _to_numpy(g)  # the hook fires once, with the total gradient
+        call.grads[i] = _to_numpy(g)  # the hook fires once, with the total gradient (as it arrives)
+        if fn is not None:
+            new = fn(g)
+            if not (isinstance(new, torch.Tensor) and new.shape == g.shape and new.dtype == g.dtype):
+                raise ValueError(
+                    f"jaxtrace.torch: a patch_grads function returned {_describe(new)} for a gradient of "
+                    f"{_describe(g)}. Return a tensor of the same shape and dtype."
+                )
+            return new
+        return None
 
     return hook
 
@@ -295,6 +305,7 @@ def value_and_grad(
     where: Where = None,
     inputs: bool = False,
     kwargs: dict | None = None,
+    patch_grads: dict | None = None,
 ) -> tuple[float, tuple[dict, dict]]:
     """Run ``module(*args)``, then ``loss`` on its output; return the loss and the gradients.
 
@@ -310,6 +321,13 @@ def value_and_grad(
     explicitly named module that is never called is an error), or a predicate
     ``(path, module) -> bool``. ``inputs=True`` adds the inputs of the selected
     modules. ``kwargs`` are keyword arguments for ``module``.
+
+    ``patch_grads={path: fn}`` changes the gradient there, as ``register_hook``
+    returning a new gradient does and as ``jaxtrace.patch_grad`` does on the
+    JAX side: ``fn(g)`` (a tensor function, applied to each floating tensor of
+    that output, or input for ``"path:in"``) replaces the gradient ``g`` that
+    arrives there. ``module_grads`` reports ``g`` as it arrives, as
+    ``jaxtrace.grad`` does at a patched tag; upstream sees ``fn(g)``.
 
     Gradients are taken with ``torch.autograd.grad`` (the ``.grad`` fields are
     not touched) with respect to every floating parameter, frozen ones
@@ -331,7 +349,16 @@ def value_and_grad(
         raise TypeError(f"jaxtrace.torch needs a torch.nn.Module, got {type(module).__name__}.")
     named = dict(module.named_modules())
     outs, ins, explicit = _select(named, where, inputs)
-    recorder = _Recorder()
+    patch_grads = dict(patch_grads or {})
+    unknown = [p for p in patch_grads if p.removesuffix(_IN) not in named]
+    if unknown:
+        raise ValueError(
+            f"jaxtrace.torch: patch_grads names no module at {', '.join(map(repr, unknown))}. The module's "
+            f"named_modules() paths are: {', '.join(map(repr, named))} (add ':in' for a module's input)."
+        )
+    outs |= {p for p in patch_grads if not p.endswith(_IN)}
+    ins |= {p.removesuffix(_IN) for p in patch_grads if p.endswith(_IN)}
+    recorder = _Recorder(patch_grads)
     params = dict(module.named_parameters())
     frozen = [p for p in params.values() if not p.requires_grad and (p.is_floating_point() or p.is_complex())]
     handles = []
@@ -395,6 +422,7 @@ def grad(
     where: Where = None,
     inputs: bool = False,
     kwargs: dict | None = None,
+    patch_grads: dict | None = None,
 ) -> tuple[dict, dict]:
     """``(param_grads, module_grads)`` of ``loss(module(*args))``; see ``value_and_grad``.
 
@@ -407,7 +435,9 @@ def grad(
         >>> list(modules), modules["0:in"].shape
         (['0:in', '0'], (2, 3))
     """
-    _, grads = value_and_grad(module, *args, loss=loss, where=where, inputs=inputs, kwargs=kwargs)
+    _, grads = value_and_grad(
+        module, *args, loss=loss, where=where, inputs=inputs, kwargs=kwargs, patch_grads=patch_grads
+    )
     return grads
 
 

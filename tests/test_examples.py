@@ -17,6 +17,7 @@ EXAMPLES = {
     "rnn_vanishing.py": ["rnn_vanishing.png"],
     "attribution_patching.py": ["attribution_patching.png"],
     "loss_paths.py": ["loss_paths.png"],
+    "guided_backprop.py": ["guided_backprop.png"],
 }
 
 

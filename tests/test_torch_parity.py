@@ -740,3 +740,67 @@ def test_readme_example_runs(capsys):
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
     assert "OK: 3/3 names match jax vs torch" in out and "OK: 4/4 names match" in out
+
+
+# --- changing gradients: register_hook returning a new gradient vs jt.patch_grad --------------
+
+
+PATCHES = {
+    "double": (lambda g: 2.0 * g, lambda g: 2.0 * g),
+    "reverse": (lambda g: -g, lambda g: -g),
+    "clamp": (lambda g: torch.clamp(g, -0.02, 0.02), lambda g: jnp.clip(g, -0.02, 0.02)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PATCHES))
+@pytest.mark.parametrize("jit", [False, True])
+def test_patch_grad_matches_register_hook_returning_a_gradient(kind, jit):
+    torch.manual_seed(0)
+    tmodel = TorchMLP().double()
+    jmodel = jtt.load_weights(JaxMLP(_keys(1)[0]), tmodel)
+    (tx, x), (ty, y) = _data(3, 4), _data(3, 3, seed=1)
+    t_fn, j_fn = PATCHES[kind]
+    patched_at = ["layers.1", "layers.3"]
+    t_params, t_modules = jtt.grad(
+        tmodel, tx, loss=lambda out: ((out - ty) ** 2).mean(), patch_grads={p: t_fn for p in patched_at}
+    )
+    params, static = eqx.partition(jmodel, eqx.is_inexact_array)
+
+    def loss(p, x):
+        return jnp.mean((jax.vmap(eqx.combine(p, static))(x) - y) ** 2)
+
+    g = jt.grad(jt.patch_grad(loss, {p: j_fn for p in patched_at}))
+    param_grads, tag_grads = (jax.jit(g) if jit else g)(params, x)
+    jt.compare(jtt.named_grads(param_grads, tmodel), t_params, rtol=RTOL64, atol=ATOL64).assert_ok("parameters")
+    # Both report the gradient as it arrives at a patched module; upstream sees the changed one.
+    names = ["layers.0", "layers.1", "layers.2", "layers.3", "layers.4"]
+    jt.compare({n: tag_grads[n] for n in names}, {n: t_modules[n] for n in names}, rtol=RTOL64, atol=ATOL64).assert_ok()
+    unpatched = jtt.grad(tmodel, tx, loss=lambda out: ((out - ty) ** 2).mean())[0]
+    assert not np.allclose(t_params["layers.2.weight"], unpatched["layers.2.weight"])  # the hooks acted
+
+
+def test_guided_backprop_matches_relu_backward_hooks():
+    """Guided backprop: torch clamps grad_input of every ReLU in a full backward hook (as Captum
+    does); the JAX port clamps the gradient arriving at each ReLU's output with jt.patch_grad."""
+    torch.manual_seed(1)
+    tmodel = TorchCNN().double()
+    for act in (tmodel.act1, tmodel.act2):
+        act.inplace = False  # full backward hooks refuse in-place modules
+    jmodel = jtt.load_weights(JaxCNN(_keys(1)[0]), tmodel)
+    tx, _ = _cnn_data(torch.float64)
+    handles = [
+        act.register_full_backward_hook(lambda m, g_in, g_out: (torch.clamp(g_in[0], min=0.0),))
+        for act in (tmodel.act1, tmodel.act2)
+    ]
+    try:
+        xt = tx.clone().requires_grad_(True)
+        tmodel(xt)[:, 1].sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    relu = lambda g: jnp.maximum(g, 0.0)  # noqa: E731
+    guided = jt.patch_grad(lambda x: jnp.sum(jax.vmap(jmodel)(x)[:, 1]), {"act1": relu, "act2": relu})
+    saliency = jax.jit(jax.grad(guided))(jnp.asarray(tx.numpy()))
+    jt.compare({"saliency": saliency}, {"saliency": xt.grad.numpy()}, rtol=RTOL64, atol=ATOL64).assert_ok()
+    plain = jax.grad(lambda x: jnp.sum(jax.vmap(jmodel)(x)[:, 1]))(jnp.asarray(tx.numpy()))
+    assert not np.allclose(saliency, plain)  # the hooks changed something
