@@ -138,3 +138,34 @@ def test_unpatched_tags_cost_nothing():
     f = lambda w, xs: model(w, xs, jt.tag)  # noqa: E731
     text = jax.jit(jax.grad(f)).lower(W, XS).as_text()
     assert "jaxtrace" not in text
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_equinox_models_tagged_by_tag_modules(jit):
+    import equinox as eqx
+
+    maybe_jit = eqx.filter_jit if jit else (lambda f: f)
+    mlp = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.PRNGKey(0))
+    tagged = jt.tag_modules(mlp)
+    loss = lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2)  # noqa: E731
+    fn = FNS["reverse"]
+    patched = jt.patch_grad(loss, {"layers.1": fn})
+
+    # The oracle: the same MLP written out, with a custom_vjp identity after layers[1].
+    def oracle(m, x):
+        def one(x):
+            h = x
+            for i, layer in enumerate(m.layers):
+                h = layer(h)
+                h = hook(fn)(h) if i == 1 else h
+                h = m.activation(h) if i < len(m.layers) - 1 else m.final_activation(h)
+            return h
+
+        return jnp.sum(jax.vmap(one)(x) ** 2)
+
+    want = eqx.filter_grad(oracle)(mlp, XS)
+    for got in (
+        maybe_jit(eqx.filter_grad(patched))(tagged, XS),
+        maybe_jit(jt.filter_grad(patched))(tagged, XS)[0],
+    ):
+        assert_trees_close(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
