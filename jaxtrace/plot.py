@@ -309,8 +309,7 @@ def paths(
     logs = np.log10(_positive(values))
     fig = _figure(1.6 + 1.1 * len(terms), 1.2 + 0.42 * len(names))
     ax = fig.subplots()
-    cmap = matplotlib.colormaps["magma"].copy()
-    cmap.set_bad("#d9d9d9")
+    cmap = matplotlib.colormaps["magma"].with_extremes(bad="#d9d9d9")
     image = ax.imshow(np.ma.masked_invalid(logs), cmap=cmap, aspect="auto")
     for i, j in zip(*np.nonzero(zero)):
         ax.text(j, i, "x  no path", ha="center", va="center", fontsize=8, color="#b30000")
