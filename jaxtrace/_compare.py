@@ -214,6 +214,7 @@ def compare(
     layout: Mapping[str, Layout] | Callable[[str, Any], Any] | None = None,
     labels: tuple = ("a", "b"),
     strict: bool = True,
+    equal_nan: bool = False,
 ) -> Comparison:
     """Compare two sets of named gradients (or any arrays) name by name.
 
@@ -224,7 +225,10 @@ def compare(
     are accepted. For each name in both, the result has the shapes, the
     largest absolute error ``max |a - b|`` and the error relative to ``b``'s
     scale ``max |a - b| / max |b|``. A name passes when the shapes agree and
-    ``max |a - b| <= atol + rtol * max |b|`` (NaN never passes). Names found on
+    ``max |a - b| <= atol + rtol * max |b|``, both taken over the entries
+    that are finite; infinities must match in position and sign, and ``nan``
+    fails unless ``equal_nan=True`` and the ``nan``s are at the same places.
+    Names found on
     one side only are listed, and with ``strict=True`` make ``.ok`` false.
     Rows follow ``b``'s order (the reference: for ``jaxtrace.torch`` results,
     the order in which the modules ran; ``jax.jit`` returns dicts with sorted
@@ -267,24 +271,34 @@ def compare(
             except Exception as e:  # a layout that does not fit this array: a failed row, not a crash
                 rows.append(Row(name, x.shape, y.shape, float("nan"), float("nan"), False, f"layout: {e}"))
                 continue
-        rows.append(_compare_one(name, x, y, rtol, atol))
+        rows.append(_compare_one(name, x, y, rtol, atol, bool(equal_nan)))
     only_a = tuple(n for n in flat_a if n not in flat_b)
     only_b = tuple(n for n in flat_b if n not in flat_a)
     return Comparison(tuple(rows), only_a, only_b, float(rtol), float(atol), tuple(labels), bool(strict))
 
 
-def _compare_one(name: str, x: np.ndarray, y: np.ndarray, rtol: float, atol: float) -> Row:
+def _compare_one(name: str, x: np.ndarray, y: np.ndarray, rtol: float, atol: float, equal_nan: bool) -> Row:
     if x.shape != y.shape:
         return Row(name, x.shape, y.shape, float("nan"), float("nan"), False, "shape")
     if x.size == 0:
         return Row(name, x.shape, y.shape, 0.0, 0.0, True)
     xf = x.astype(np.float64) if not np.iscomplexobj(x) else x.astype(np.complex128)
     yf = y.astype(np.float64) if not np.iscomplexobj(y) else y.astype(np.complex128)
-    diff = np.abs(xf - yf)
-    if np.isnan(diff).any():
+    # Non-finite entries must match exactly: nan with nan (only with equal_nan), an infinity with
+    # the same infinity (attention scores hold -inf at masked positions). They never enter the
+    # error or the scale, which are taken over the entries finite on both sides.
+    nan_x, nan_y = np.isnan(xf), np.isnan(yf)
+    if (nan_x | nan_y).any() and not (equal_nan and np.array_equal(nan_x, nan_y)):
         return Row(name, x.shape, y.shape, float("nan"), float("nan"), False, "nan")
+    inf_x, inf_y = np.isinf(xf), np.isinf(yf)
+    if not np.array_equal(inf_x, inf_y) or not np.array_equal(xf[inf_x], yf[inf_y]):
+        return Row(name, x.shape, y.shape, float("inf"), float("nan"), False, "inf")
+    finite = ~(nan_x | inf_x)
+    if not finite.any():
+        return Row(name, x.shape, y.shape, 0.0, 0.0, True)
+    diff = np.abs(xf[finite] - yf[finite])
     max_abs = float(np.max(diff))
-    scale = float(np.max(np.abs(yf)))
+    scale = float(np.max(np.abs(yf[finite])))
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
     ok = bool(max_abs <= atol + rtol * scale)
     return Row(name, x.shape, y.shape, max_abs, max_rel, ok)

@@ -122,3 +122,16 @@ def test_float0_leaves_count_as_no_gradient():
 def test_jax_arrays_of_different_dtypes():
     x = jnp.linspace(0.0, 1.0, 5, dtype=jnp.float32)
     assert jt.compare({"x": x}, {"x": np.asarray(x, np.float64)}, rtol=1e-7).ok
+
+
+def test_infinities_match_in_position_and_sign_and_nan_only_if_asked():
+    scores = np.array([[0.3, -np.inf], [1.2, 0.7]])  # attention scores with a masked position
+    assert jt.compare({"s": scores}, {"s": scores.copy()}).ok
+    assert not jt.compare({"s": np.array([5.0, 0.0])}, {"s": np.array([1.0, np.inf])}).ok  # an inf elsewhere
+    assert not jt.compare({"s": np.array([1.0, np.inf])}, {"s": np.array([1.0, -np.inf])}).ok  # the sign
+    result = jt.compare({"s": np.array([1.5, -np.inf])}, {"s": np.array([1.0, -np.inf])}, rtol=0.1)
+    assert not result.ok and result.rows[0].max_abs == 0.5  # the error and scale are over finite entries
+    with_nan = {"s": np.array([1.0, np.nan])}
+    assert not jt.compare(with_nan, {"s": np.array([1.0, np.nan])}).ok
+    assert jt.compare(with_nan, {"s": np.array([1.0, np.nan])}, equal_nan=True).ok
+    assert not jt.compare(with_nan, {"s": np.array([np.nan, 1.0])}, equal_nan=True).ok
