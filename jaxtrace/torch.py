@@ -514,12 +514,23 @@ def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
     seen: set = set()
     for path, mod in module.named_modules():
         direct = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        buffers = [
+            (n, b)
+            for n, b in mod.named_buffers(recurse=False)
+            if not grads and id(b) not in seen and b.is_floating_point() and n not in mod._non_persistent_buffers_set
+        ]
         seen.update(id(p) for _, p in direct)
-        if not direct:
+        if not direct and not buffers:
             continue
         kind = type(mod).__name__
         base = _steps_to(model, path, f"a {kind}")
         target = _get(model, base)
+        # Floating buffers (BatchNorm running statistics) go into fields of their name where the
+        # equinox module has one (eqx.nn.BatchNorm keeps them in its State instead).
+        direct += [(n, b) for n, b in buffers if hasattr(target, n)]
+        seen.update(id(b) for _, b in buffers)
+        if not direct:
+            continue
         if isinstance(mod, torch.nn.GRUCell):
             plan.extend(a for a in _plan_gru(path, mod, base, target) if not grads or _get(model, a.steps) is not None)
             continue
@@ -534,7 +545,7 @@ def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
             leaf = getattr(target, name)
             if grads and leaf is None:
                 continue
-            if not eqx.is_array(leaf):
+            if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
                 raise ValueError(
                     f"load_weights: the torch parameter {full!r} has no array to go into: the equinox "
                     f"{type(target).__name__} at {_show(base)} has {name} = {leaf!r}"
@@ -608,9 +619,15 @@ def load_weights(model, module: "torch.nn.Module"):
     reshaped to equinox's ``(out, 1, ...)``; a ``GRUCell``'s ``bias_ih`` and
     ``bias_hh`` are folded into ``eqx.nn.GRUCell``'s ``bias`` and ``bias_n``.
     Parameters of your own modules copy by attribute name when the shapes
-    agree. Buffers (BatchNorm running statistics) are not copied. Values and
-    dtypes come from torch. A parameter with no place to go is an error that
-    names it.
+    agree, and so do floating persistent buffers where the equinox module has
+    a field of the buffer's name (BatchNorm's ``running_mean`` /
+    ``running_var`` into a hand-written batch norm's fields; ``eqx.nn.BatchNorm``
+    keeps them in its ``State``, and integer buffers such as
+    ``num_batches_tracked`` are not copied). ``model`` may be
+    abstract (``eqx.filter_eval_shape`` of its constructor: arrays as
+    ``jax.ShapeDtypeStruct``), so a large port skips its random init. Values
+    and dtypes come from torch. A parameter or buffer with no place to go is
+    an error that names it.
 
     Example:
         >>> import torch, jax, equinox as eqx, jaxtrace.torch as jtt
@@ -625,7 +642,7 @@ def load_weights(model, module: "torch.nn.Module"):
     plan = _plan(model, module)
     if not plan:
         return model
-    values = {n: jnp.asarray(_to_numpy(p)) for n, p in module.named_parameters()}
+    values = {n: jnp.asarray(_to_numpy(p)) for n, p in [*module.named_parameters(), *module.named_buffers()]}
     new = [a.fn(*(values[n] for n in a.names)) for a in plan]
     return eqx.tree_at(lambda m: [_get(m, a.steps) for a in plan], model, new)
 

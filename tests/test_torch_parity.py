@@ -804,3 +804,45 @@ def test_guided_backprop_matches_relu_backward_hooks():
     jt.compare({"saliency": saliency}, {"saliency": xt.grad.numpy()}, rtol=RTOL64, atol=ATOL64).assert_ok()
     plain = jax.grad(lambda x: jnp.sum(jax.vmap(jmodel)(x)[:, 1]))(jnp.asarray(tx.numpy()))
     assert not np.allclose(saliency, plain)  # the hooks changed something
+
+
+class TorchBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+
+class JaxBN(eqx.Module):
+    """A hand-written inference-mode batch norm with fields named as torch's buffers."""
+
+    weight: jax.Array
+    bias: jax.Array
+    running_mean: jax.Array
+    running_var: jax.Array
+
+    def __init__(self):
+        self.weight, self.bias = jnp.ones(4), jnp.zeros(4)
+        self.running_mean, self.running_var = jnp.zeros(4), jnp.ones(4)
+
+
+class JaxWithBN(eqx.Module):
+    fc: eqx.nn.Linear
+    bn: JaxBN
+
+    def __init__(self, key):
+        self.fc, self.bn = eqx.nn.Linear(3, 4, key=key), JaxBN()
+
+
+def test_load_weights_copies_buffers_and_fills_an_abstract_model():
+    torch.manual_seed(0)
+    net = TorchBN().double()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_(-1, 1)
+        net.bn.running_var.uniform_(0.5, 2)
+    for target in (JaxWithBN(_keys(1)[0]), eqx.filter_eval_shape(JaxWithBN, _keys(1)[0])):
+        model = jtt.load_weights(target, net)
+        np.testing.assert_array_equal(model.bn.running_mean, net.bn.running_mean.numpy())
+        np.testing.assert_array_equal(model.bn.running_var, net.bn.running_var.numpy())
+        np.testing.assert_array_equal(model.fc.weight, net.fc.weight.detach().numpy())
+        assert all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(model))
