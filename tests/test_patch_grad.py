@@ -169,3 +169,17 @@ def test_equinox_models_tagged_by_tag_modules(jit):
         maybe_jit(jt.filter_grad(patched))(tagged, XS)[0],
     ):
         assert_trees_close(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+
+
+def test_nested_jit_fori_loop_and_lax_map(maybe_jit):
+    fn = FNS["normalize"]
+
+    def f(w, xs, mark):
+        inner = jax.jit(lambda r: mark(jnp.tanh(w @ r), "j"))
+        mapped = lax.map(inner, xs)
+        c = lax.fori_loop(0, 3, lambda i, c: mark(jnp.sin(w @ c) + 0.1, "f"), xs[0])
+        return jnp.sum(mapped**2) + jnp.sum(c**2)
+
+    patched = jt.patch_grad(lambda w, xs: f(w, xs, jt.tag), {"j": fn, "f": fn})
+    oracle = lambda w, xs: f(w, xs, lambda v, n: hook(fn)(v))  # noqa: E731
+    assert_trees_close(maybe_jit(jax.grad(patched))(W, XS), jax.grad(oracle)(W, XS))
