@@ -8,18 +8,9 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._sites import Site, TagError, TagSelection, check_callable, check_tags
-from ._split import Split
-
-
-def _is_array(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
-
-
-def _keep(site: Site, x, _):
-    return x
+from ._sites import Site, TagError, TagSelection, check_callable, check_tags, refuse_differentiated
+from ._split import Split, is_array, keep
 
 
 def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
@@ -45,8 +36,8 @@ def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
 
     @functools.wraps(fun)
     def captured(*args, **kwargs):
-        split = Split(fun, args, kwargs, range(len(args)), tags, dynamic=_is_array, purpose="read")
-        out, values = split(split.args, _keep, {}, split.keys)
+        split = Split(fun, args, kwargs, range(len(args)), tags, dynamic=is_array, purpose="read")
+        out, values = split(split.args, keep, {}, split.keys)
         return out, split.tag_tree(values)
 
     return captured
@@ -71,7 +62,7 @@ def jvp(fun: Callable, primals, tangents, *, tags: TagSelection = None):
     split = Split(fun, primals, {}, range(len(primals)), tags, purpose="forward")
 
     def run(args):
-        return split(args, _keep, {}, split.keys)
+        return split(args, keep, {}, split.keys)
 
     (out, _), (out_dot, values_dot) = jax.jvp(run, (split.args,), (tangents,))
     return out, out_dot, split.tag_tree(values_dot)
@@ -113,16 +104,8 @@ def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
 
     @functools.wraps(fun)
     def patched(*args, **kwargs):
-        split = Split(fun, args, kwargs, range(len(args)), list(replacements), dynamic=_is_array, purpose="forward")
-        for site in split.sites:
-            if site.differentiated:
-                raise TagError(
-                    f"jaxtrace.patch cannot replace the tag {site.name!r} (at {site.where}): the patched function "
-                    "takes a derivative through it (jax.grad, jax.vjp, jax.jvp or a jaxtrace gradient inside "
-                    "the function), and that derivative was formed before the patch applies, so it would not "
-                    "see the replacement. Patch the function being differentiated instead: "
-                    "jax.grad(jt.patch(loss, ...)), not jt.patch(jax.grad(loss), ...)."
-                )
+        split = Split(fun, args, kwargs, range(len(args)), list(replacements), dynamic=is_array, purpose="forward")
+        refuse_differentiated(split.sites, "jaxtrace.patch", "value", "jax.grad(jt.patch(loss, ...))")
         inputs = {}
         for name, value in replacements.items():
             if name not in functions:

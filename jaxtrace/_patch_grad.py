@@ -11,15 +11,14 @@ user's ``fn`` to the cotangent. So every reverse-mode entry point of JAX
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _compat
-from ._sites import Site, TagError, check_callable
-from ._split import Split
+from ._sites import Site, TagError, check_callable, refuse_differentiated
+from ._split import Split, is_array
 
 
 def _impl(*args, n, **params):
@@ -146,15 +145,8 @@ def patch_grad(fun: Callable, fns: Mapping[str, Callable], *, with_values: bool 
 
     @functools.wraps(fun)
     def patched(*args, **kwargs):
-        split = Split(fun, args, kwargs, range(len(args)), list(fns), dynamic=_is_array, purpose="reverse")
-        for site in split.sites:
-            if site.differentiated:
-                raise TagError(
-                    f"jaxtrace.patch_grad cannot change the gradient at the tag {site.name!r} (at {site.where}): "
-                    "the patched function already takes a derivative through it (jax.grad, jax.vjp or a "
-                    "jaxtrace gradient inside the function), formed before the patch. Patch the function "
-                    "being differentiated instead: jax.grad(jt.patch_grad(loss, ...))."
-                )
+        split = Split(fun, args, kwargs, range(len(args)), list(fns), dynamic=is_array, purpose="reverse")
+        refuse_differentiated(split.sites, "jaxtrace.patch_grad", "gradient", "jax.grad(jt.patch_grad(loss, ...))")
         out, _ = split(split.args, None, {}, call_fn=functools.partial(_call_fn, fns, with_values))
         return out
 
@@ -183,7 +175,3 @@ def _call_fn(fns: dict, with_values: bool, sites: list[Site], xs: list) -> list:
         batched=batched,
     )
     return [jnp.moveaxis(h, tuple(range(batched)), s.batch_axes) for s, h in zip(sites, hooked)]
-
-
-def _is_array(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))

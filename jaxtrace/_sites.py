@@ -197,12 +197,12 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
         ncalls=count,
         differentiated=any(s.differentiated for s in firsts),
         remat=False,
-        **_partial_problems(firsts),
+        **_refusals_of(firsts),
     )
     return merged, _slots(units, unit_group, ranges, len(sites))
 
 
-def _partial_problems(sites: Sequence[Site]) -> dict:
+def _refusals_of(sites: Sequence[Site]) -> dict:
     """The refusals of any of ``sites``, for the site merged from them."""
     return {"refusals": tuple(dict.fromkeys(r for s in sites for r in s.refusals))}
 
@@ -278,7 +278,7 @@ def merge_branches(sites: Sequence[Site], where: str) -> Site:
         problem=problem,
         identity=identity,
         differentiated=differentiated,
-        **_partial_problems(sites),
+        **_refusals_of(sites),
     )
 
 
@@ -350,6 +350,19 @@ def select(sites: dict, tags: TagSelection, purpose: str = "reverse") -> list[Si
         if problem:
             raise TagError(problem)
     return chosen
+
+
+def refuse_differentiated(sites: Iterable[Site], transform: str, change: str, instead: str) -> None:
+    """``transform`` rewrites ``change`` at a tag; a derivative the traced function already took
+    through that tag was formed before, and would not see it: a TagError saying what to write."""
+    for site in sites:
+        if site.differentiated:
+            raise TagError(
+                f"{transform} cannot change the {change} at the tag {site.name!r} (at {site.where}): the function "
+                "takes a derivative through it (jax.grad, jax.vjp, jax.jvp or a jaxtrace gradient inside the "
+                "function), and that derivative was formed before the change applies, so it would not see it. "
+                f"Apply it to the function being differentiated instead: {instead}."
+            )
 
 
 def assemble(sites: Sequence[Site], values: dict, lead: tuple = ()) -> dict:

@@ -132,7 +132,7 @@ class Splitter:
             env[var] = value
         outputs: dict = {}
         hooked: dict = {}  # outvar -> value: the later leaves of a jt.tag call that call_fn handled at once
-        for eqn, inside, slots in zip(jaxpr.eqns, level.eqn_sites, level.slots):
+        for position, (eqn, inside, slots) in enumerate(zip(jaxpr.eqns, level.eqn_sites, level.slots)):
             invals = [_compat.read(env, v) for v in eqn.invars]
             active = {k: s for k, s in inside.items() if k in self.sites} if inside else _NO_SITES
             if not active:
@@ -144,7 +144,7 @@ class Splitter:
                     if self.call_fn is not None:
                         new = hooked.pop(eqn.outvars[0], None)
                         if new is None:
-                            new = self._call(jaxpr, eqn, env, hooked)
+                            new = self._call(jaxpr, position, env, hooked)
                     else:
                         new = self.site_fn(self.sites[key], invals[0], _masked_input(invals, sub_inputs.get(key)))
                     # The tag stays in place, so a transform around this one still finds it.
@@ -160,13 +160,12 @@ class Splitter:
                 _compat.write(env, var, value)
         return [_compat.read(env, v) for v in jaxpr.outvars], {k: _stack(vs) for k, vs in outputs.items()}
 
-    def _call(self, jaxpr, eqn, env: dict, hooked: dict):
-        """``call_fn`` on every leaf of the jt.tag call whose first leaf is ``eqn``; the others'
-        new values are kept in ``hooked`` for their own equations, which follow it."""
+    def _call(self, jaxpr, start: int, env: dict, hooked: dict):
+        """``call_fn`` on every leaf of the jt.tag call whose first leaf is equation ``start``; the
+        others' new values are kept in ``hooked`` for their own equations, which follow it."""
+        eqn = jaxpr.eqns[start]
         p = eqn.params
-        n = p["tree"].num_leaves
-        start = jaxpr.eqns.index(eqn)
-        group = list(jaxpr.eqns[start : start + n])
+        group = list(jaxpr.eqns[start : start + p["tree"].num_leaves])
         whole = p["leaf"] == 0 and all(
             is_tag(e) and e.params["call"] == p["call"] and e.params["leaf"] == j for j, e in enumerate(group)
         )
@@ -535,8 +534,14 @@ def _as_array(value):
     return value if isinstance(value, jax.Array) else jnp.asarray(value)
 
 
-def _is_traced(leaf) -> bool:
+def is_array(leaf) -> bool:
+    """An array leaf (traced as an input, or passed through as an output); anything else stays static."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def keep(site: Site, x, _):
+    """The site function that leaves the value as it is (the tag stays in place)."""
+    return x
 
 
 @contextlib.contextmanager
@@ -587,8 +592,8 @@ class Split:
                 full[i] = a
             out_leaves, self.out_tree = jax.tree_util.tree_flatten(fun(*full, **kwargs))
             # Leaves that are not arrays (strings, Python numbers in an aux output) pass through as they are.
-            self._static = {i: leaf for i, leaf in enumerate(out_leaves) if not _is_traced(leaf)}
-            return [leaf for leaf in out_leaves if _is_traced(leaf)]
+            self._static = {i: leaf for i, leaf in enumerate(out_leaves) if not is_array(leaf)}
+            return [leaf for leaf in out_leaves if is_array(leaf)]
 
         self._mask = mask
         self.out_tree: Any = None

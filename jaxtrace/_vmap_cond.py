@@ -21,14 +21,10 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._split import Program, Splitter
+from ._split import Program, Splitter, keep
 from ._tag import is_tag, tag_p
 
 _CONDS = itertools.count()
-
-
-def _keep(site, x, _):
-    return x
 
 
 def _contains_tag(jaxpr) -> bool:
@@ -61,7 +57,7 @@ def _mask_branch(branch, i: int, cond: int, index_aval):
             mask = mask & active[0] if active else mask
             return tag_p.bind(new, mask, **{**eqn.params, "choice": (cond, i)})
 
-        outs, _ = Splitter(program, list(program.sites.values()), _keep, retag=retag)(ops, {})
+        outs, _ = Splitter(program, list(program.sites.values()), keep, retag=retag)(ops, {})
         return outs
 
     return jax.make_jaxpr(masked)(*avals, index_aval)

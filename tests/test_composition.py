@@ -7,7 +7,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from conftest import assert_trees_close
 from jax import lax

@@ -265,3 +265,9 @@ def test_vmap_over_vjp_fn_gives_one_saliency_map_per_class(maybe_jit):
     assert_trees_close(tag_rows["features"], W[:, :3].T)
     assert_trees_close(x_rows, jax.jacrev(classifier)(x))
     assert np.all(np.isfinite(feats))
+
+
+def test_vmap_and_jit_around_while_loop_capture():
+    xs = jnp.array([[0.3, 0.6], [-0.2, 1.1], [0.9, 0.0]])
+    _, values = jax.jit(jax.vmap(jt.capture(while_model)))(xs)
+    assert_trees_close(values["w"], jax.vmap(lambda x: while_model(x, 1.0))(xs))

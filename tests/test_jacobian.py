@@ -107,3 +107,15 @@ def test_matrix_output_cond_not_taken_and_checkpoint(maybe_jit):
     assert tag_jacs["remat"].shape == (3, 3, 3)
     assert_trees_close(tag_jacs["remat"], want[..., 0, :])
     assert_trees_close(tag_jacs["never"], jnp.zeros((3, 3, 3)))  # the branch not taken: zeros
+
+
+def test_transforms_around_jacrev(maybe_jit):
+    # jax.grad of a penalty on the tag Jacobians, against jax.grad of the oracle's jax.jacrev.
+    penalty = lambda w: sum(jnp.sum(v**2) for v in jax.tree_util.tree_leaves(jt.jacrev(losses)(w, X)[1]))  # noqa: E731
+    oracle = lambda w: sum(  # noqa: E731
+        jnp.sum(v**2) for v in jax.tree_util.tree_leaves(jax.jacrev(losses, argnums=2)(w, X, jnp.zeros(3)))
+    )
+    assert_trees_close(maybe_jit(jax.grad(penalty))(W), jax.grad(oracle)(W), rtol=1e-10)
+    # capture around it still sees the tag (a split leaves its tags in place).
+    _, values = maybe_jit(jt.capture(lambda w: jt.jacrev(losses)(w, X)))(W)
+    assert_trees_close(values["h"], jnp.tanh(W @ X))

@@ -183,3 +183,16 @@ def test_nested_jit_fori_loop_and_lax_map(maybe_jit):
     patched = jt.patch_grad(lambda w, xs: f(w, xs, jt.tag), {"j": fn, "f": fn})
     oracle = lambda w, xs: f(w, xs, lambda v, n: hook(fn)(v))  # noqa: E731
     assert_trees_close(maybe_jit(jax.grad(patched))(W, XS), jax.grad(oracle)(W, XS))
+
+
+def test_checkpoint_around_and_other_transforms_around_patch_grad(maybe_jit):
+    fn = FNS["normalize"]
+    f = lambda w, xs: model(w, xs, jt.tag)  # noqa: E731
+    patched = jt.patch_grad(f, {"c": fn, "r": fn})
+    oracle = lambda w, xs: model(w, xs, lambda v, n: hook(fn)(v) if n in ("c", "r") else v)  # noqa: E731
+    want = jax.grad(oracle)(W, XS)
+    assert_trees_close(maybe_jit(jax.grad(jax.checkpoint(patched)))(W, XS), want)
+    # capture around it reads the unchanged forward values; jt.grad around reports arriving cotangents.
+    _, values = maybe_jit(jt.capture(patched))(W, XS)
+    _, plain_values = jt.capture(f)(W, XS)
+    assert_trees_close(values, plain_values)
