@@ -1,7 +1,8 @@
 """What does capturing gradients at tags cost? One entry point for every figure.
 
-    python benchmarks/run.py            # the full suite (a few minutes on 2 cores)
-    python benchmarks/run.py --quick    # smaller models, fewer rounds (CI)
+    python benchmarks/run.py            # everything (about half an hour on 2 cores: the compile sweep)
+    python benchmarks/run.py --quick    # smaller models, fewer rounds (CI; a few minutes)
+    python benchmarks/run.py --models none --no-scaling --sweep 10,100,1000   # one part only
 
 Prints a table and writes JSON (to benchmarks/results/, or --out). All variants
 of a model run in one process, interleaved in a random order each round;
@@ -16,11 +17,17 @@ limit jaxtrace aims at); ``hook`` (the hook-style JAX alternative: an identity
 ``custom_vjp`` whose backward sends the cotangent to the host with
 ``io_callback``); ``torch hooks`` (PyTorch eager with ``register_hook`` on the
 same model, when torch is installed; ``torch plain`` is the same without hooks).
+
+Two more parts: the large model (``large.py``: an equinox transformer whose
+every submodule ``jt.tag_modules`` tags, against the untagged model and a
+hook-style port), and the compile sweep (trace + compile time against the
+number of tags, plain / hand-written ``+ eps`` / jaxtrace, 10 to 5,000 tags).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -62,6 +69,10 @@ TARGETS = {
     "trace_compile": 1.15,  # trace + compile time
     "vs_hook": 1.3,  # hook-style time / jaxtrace time, at least
     "scaling_exponent": 1.15,  # fitted exponent of tracing time vs tags / steps, at most
+    # Issue 17: trace + compile over the tag-count sweep.
+    "sweep_vs_plain": 1.2,
+    "sweep_vs_hand": 1.1,
+    "sweep_one": 1.05,
 }
 
 
@@ -390,6 +401,156 @@ def bench_scan_scaling(lengths, rounds, width=16) -> dict:
     return out
 
 
+def chain_layers(n: int, tag, width: int = 64) -> Callable:
+    """The compile-sweep model: ``n`` layers ``tanh(h @ w_i)``, a tag on each (issue 17's chain)."""
+
+    def f(ws, h):
+        for i in range(n):
+            h = tag(jnp.tanh(h @ ws[i]), f"l{i}")
+        return jnp.sum(h)
+
+    return f
+
+
+def chain_layers_eps(n: int) -> Callable:
+    """``chain_layers`` written by hand for the same gradients: ``+ eps`` at every layer."""
+
+    def f(ws, h):
+        def g(ws, eps):
+            x = h
+            for w, e in zip(ws, eps):
+                x = jnp.tanh(x @ w) + e
+            return jnp.sum(x)
+
+        return jax.value_and_grad(g, argnums=(0, 1))(ws, [jnp.zeros_like(h)] * n)
+
+    return f
+
+
+def bench_compile_sweep(ns, rounds, width=64, batch=8) -> dict:
+    """Trace + compile time of ``jax.jit(...)`` vs the number of tags: plain, hand ``+ eps``, jt all, jt one."""
+    out: dict = {"n": list(ns), "width": width, "batch": batch, "variants": {}}
+    for n in ns:
+        ws = [jnp.eye(width) * 0.5 for _ in range(n)]
+        h = jnp.ones((batch, width))
+        makers = {BASE: lambda: jax.value_and_grad(chain_layers(n, M.identity)),
+                  HAND: lambda: chain_layers_eps(n),
+                  ALL: lambda: jt.value_and_grad(chain_layers(n, jt.tag)),
+                  ONE: lambda: jt.value_and_grad(chain_layers(n, jt.tag), tags="l0")}
+
+        def trace_compile(make):
+            def run():
+                fun = jax.jit(make())  # a fresh function: nothing cached from an earlier round
+                gc.collect()
+                t0, c0 = time.perf_counter(), time.process_time()
+                lowered = fun.lower(ws, h)
+                t1, c1 = time.perf_counter(), time.process_time()
+                lowered.compile()
+                t2, c2 = time.perf_counter(), time.process_time()
+                return {"trace": t1 - t0, "compile": t2 - t1, "total": t2 - t0,
+                        "trace_cpu": c1 - c0, "compile_cpu": c2 - c1, "total_cpu": c2 - c0}
+
+            return run
+
+        r = rounds if n <= 2000 else max(1, rounds - 1)
+        samples = interleave({name: trace_compile(make) for name, make in makers.items()}, r, seed=n)
+        for name in makers:
+            v = out["variants"].setdefault(name, {})
+            for fig in ("trace", "compile", "total", "total_cpu"):
+                v.setdefault(f"{fig}_s", []).append(median(samples[name], fig))
+            v.setdefault("total_ratio", []).append(median_ratio(samples, name, "total"))
+            v.setdefault("total_cpu_ratio", []).append(median_ratio(samples, name, "total_cpu"))
+            v.setdefault("total_over_hand", []).append(median_ratio(samples, name, "total", base=HAND))
+        print(f"[compile sweep: {n} tags done]", file=sys.stderr, flush=True)
+    return out
+
+
+def bench_large(args) -> dict:
+    """The large-model row: an equinox transformer tagged by ``jt.tag_modules`` (every submodule)."""
+    import equinox as eqx
+
+    import large as L
+
+    model, tokens, targets = (L.transformer(layers=2, d=64, seq=16, batch=2) if args.quick
+                              else L.transformer())
+    tagged = jt.tag_modules(model)
+    params, static = eqx.partition(model, eqx.is_array)
+    tagged_params, tagged_static = eqx.partition(tagged, eqx.is_array)
+    n_tags = L.count_tags(model, tokens, targets)
+    one = "blocks.0.mlp"
+    store = M.HookStore()
+
+    def loss_of(static):
+        return lambda p, t, y: L.loss(eqx.combine(p, static), t, y)
+
+    builders = {
+        BASE: (lambda: jax.value_and_grad(loss_of(static)), params),
+        ALL: (lambda: jt.value_and_grad(loss_of(tagged_static)), tagged_params),
+        ONE: (lambda: jt.value_and_grad(loss_of(tagged_static), tags=one), tagged_params),
+        HOOK: (lambda: jax.value_and_grad(loss_of(tagged_static)), tagged_params),
+    }
+
+    def lower(name):
+        build, p = builders[name]
+        ctx = L.hooked(store) if name == HOOK else contextlib.nullcontext()
+        with ctx:
+            return jax.jit(build()).lower(p, tokens, targets)
+
+    result: dict = {"describe": f"equinox transformer: {len(model.blocks)} blocks, d {model.ln_f.shape[0]}, "
+                                f"tokens {tokens.shape}; jt.tag_modules on every submodule",
+                    "tags": n_tags, "variants": {}}
+    compiled = {name: lower(name).compile() for name in builders}
+    for name, c in compiled.items():
+        mem = c.memory_analysis()
+        result["variants"][name] = {"temp_bytes": int(mem.temp_size_in_bytes)}
+    v0, g0 = compiled[BASE](params, tokens, targets)
+    v1, (g1, tag_grads) = compiled[ALL](tagged_params, tokens, targets)
+    np.testing.assert_allclose(v0, v1, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
+    compiled[HOOK](tagged_params, tokens, targets)
+    jax.effects_barrier()
+    assert len(store.values) == n_tags, (len(store.values), n_tags)
+    store.clear()
+
+    def call(name):
+        c, p = compiled[name], builders[name][1]
+        if name == HOOK:
+            return lambda: (block(c(p, tokens, targets)), jax.effects_barrier(), store.clear())
+        return lambda: block(c(p, tokens, targets))
+
+    steps = {name: call(name) for name in compiled}
+    for fn in steps.values():
+        fn()
+    samples = interleave({n: timed(fn, 1) for n, fn in steps.items()}, args.rounds)
+    for name in steps:
+        v = result["variants"][name]
+        v["step_ms"] = 1e3 * median(samples[name], "step")
+        v["step_ratio"] = median_ratio(samples, name, "step")
+        v["temp_ratio"] = v["temp_bytes"] / max(result["variants"][BASE]["temp_bytes"], 1)
+
+    def trace_compile(name):
+        def run():
+            gc.collect()
+            t0, c0 = time.perf_counter(), time.process_time()
+            lowered = lower(name)
+            t1 = time.perf_counter()
+            lowered.compile()
+            t2, c2 = time.perf_counter(), time.process_time()
+            return {"trace": t1 - t0, "total": t2 - t0, "total_cpu": c2 - c0}
+
+        return run
+
+    samples = interleave({n: trace_compile(n) for n in builders}, 2 if args.quick else args.compile_rounds, seed=2)
+    for name in builders:
+        v = result["variants"][name]
+        v["total_s"] = median(samples[name], "total")
+        v["trace_s"] = median(samples[name], "trace")
+        v["total_ratio"] = median_ratio(samples, name, "total")
+        v["total_cpu_ratio"] = median_ratio(samples, name, "total_cpu")
+    return result
+
+
 def retrace_check() -> dict:
     """How often the user's Python function runs over three calls under ``jax.jit``."""
     counts = {BASE: 0, ALL: 0}
@@ -480,6 +641,27 @@ def table(results: dict) -> str:
             lines.append("| {} | {:.1f} | {:.1f} | {:.2f} | {:.3f} | {:.3f} | {:.2f} | {:.2f} |".format(*row))
         lines.append(f"fitted exponents (upper half): tracing {s['jt_trace_exponent']:.2f}, "
                      f"step {s['jt_step_exponent']:.2f}")
+    if "large" in results:
+        r = results["large"]
+        lines.append("")
+        lines.append(f"Large model ({r['describe']}; {r['tags']} tags):")
+        lines.append("| variant | step ms | step x | trace + compile s | trace + compile x | (cpu time) | temp memory x |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for vname, v in r["variants"].items():
+            lines.append(f"| {vname} | {v['step_ms']:.1f} | {v['step_ratio']:.3f} | {v['total_s']:.1f} | "
+                         f"{v['total_ratio']:.2f} | {v['total_cpu_ratio']:.2f} | {v['temp_ratio']:.2f} |")
+    if "compile_sweep" in results:
+        s = results["compile_sweep"]
+        v = s["variants"]
+        lines.append("")
+        lines.append(f"Trace + compile vs number of tags (chain of tanh(h @ w_i), width {s['width']}, batch "
+                     f"{s['batch']}; wall seconds, median of interleaved rounds; x = ratio to plain):")
+        lines.append("| tags | plain s | hand +eps s | jt all s | jt one s | jt all x | jt all / hand | jt one x |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for i, n in enumerate(s["n"]):
+            lines.append(f"| {n} | {v[BASE]['total_s'][i]:.2f} | {v[HAND]['total_s'][i]:.2f} | "
+                         f"{v[ALL]['total_s'][i]:.2f} | {v[ONE]['total_s'][i]:.2f} | {v[ALL]['total_ratio'][i]:.2f} | "
+                         f"{v[ALL]['total_over_hand'][i]:.2f} | {v[ONE]['total_ratio'][i]:.2f} |")
     r = results["retrace"]
     lines.append("")
     lines.append(f"Retrace check: over {r['calls']} jitted calls the function was traced "
@@ -540,6 +722,17 @@ def _scaling_targets(results: dict, add) -> None:
             s["jt_exponent"] <= TARGETS["scaling_exponent"])
         add(f"tracing linear (or better) in scan length (exponent <= {TARGETS['scaling_exponent']})",
             f"{l['jt_trace_exponent']:.2f}", l["jt_trace_exponent"] <= TARGETS["scaling_exponent"])
+    if "compile_sweep" in results:
+        v, ns = results["compile_sweep"]["variants"], results["compile_sweep"]["n"]
+        add(f"trace+compile of jt all <= {TARGETS['sweep_vs_plain']}x plain, at every tag count",
+            ", ".join(f"{r:.2f}x at {n}" for n, r in zip(ns, v[ALL]["total_ratio"])),
+            all(r <= TARGETS["sweep_vs_plain"] for r in v[ALL]["total_ratio"]))
+        add(f"trace+compile of jt all <= {TARGETS['sweep_vs_hand']}x the hand-written +eps program",
+            ", ".join(f"{r:.2f}x at {n}" for n, r in zip(ns, v[ALL]["total_over_hand"])),
+            all(r <= TARGETS["sweep_vs_hand"] for r in v[ALL]["total_over_hand"]))
+        add(f"trace+compile with one tag selected <= {TARGETS['sweep_one']}x plain",
+            ", ".join(f"{r:.2f}x at {n}" for n, r in zip(ns, v[ONE]["total_ratio"])),
+            all(r <= TARGETS["sweep_one"] for r in v[ONE]["total_ratio"]))
     r = results["retrace"]["traces"]
     add("no retrace on repeated jitted calls", f"traced {r[ALL]} time(s) in {results['retrace']['calls']} calls",
         r[ALL] == 1)
@@ -549,11 +742,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models, few rounds (CI; well under 2 min)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/<mode>-<time>.json)")
-    parser.add_argument("--models", help="comma-separated subset of mlp,rnn,attention,cnn")
+    parser.add_argument("--models", help="comma-separated subset of mlp,rnn,attention,cnn ('none': no models)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds for step times")
     parser.add_argument("--compile-rounds", type=int, help="interleaved rounds for trace+compile times")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch variants")
     parser.add_argument("--no-scaling", action="store_true", help="skip the tag and scan scaling figures")
+    parser.add_argument("--no-large", action="store_true", help="skip the large equinox model")
+    parser.add_argument("--sweep", help="comma-separated tag counts for the compile sweep "
+                        "(default 10,100,1000,2000,5000; quick 10,200); 'none' skips it")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (15 if args.quick else 40)
     args.compile_rounds = args.compile_rounds or (3 if args.quick else 7)
@@ -573,6 +769,16 @@ def main(argv=None):
         results["tag_scaling"] = bench_tag_scaling(ns, rounds=3)
         lengths = (10, 100, 1000) if args.quick else (10, 100, 1000, 10000)
         results["scan_scaling"] = bench_scan_scaling(lengths, rounds=3 if args.quick else 5)
+    if not args.no_large:
+        t = time.perf_counter()
+        results["large"] = bench_large(args)
+        print(f"[large model: {time.perf_counter() - t:.0f} s]", file=sys.stderr, flush=True)
+    sweep = args.sweep or ("10,200" if args.quick else "10,100,1000,2000,5000")
+    if sweep != "none":
+        t = time.perf_counter()
+        results["compile_sweep"] = bench_compile_sweep([int(n) for n in sweep.split(",")],
+                                                       rounds=2 if args.quick else 3)
+        print(f"[compile sweep: {time.perf_counter() - t:.0f} s]", file=sys.stderr, flush=True)
     results["retrace"] = retrace_check()
     results["targets"] = check_targets(results)
     results["seconds"] = time.perf_counter() - t_start
