@@ -133,3 +133,12 @@ def test_every_public_name_has_a_reference_entry():
     assert {"jaxtrace.grad", "jaxtrace.stats.summarize", "jaxtrace.torch.load_weights", "jaxtrace.plot.paths"} <= names
     missing = sorted(names - documented)
     assert not missing, f"public names without an API reference entry (add '::: NAME' to a docs/api/*.md page): {missing}"
+
+
+def test_readme_links_resolve():
+    """The README links into docs/ by relative path (mkdocs --strict checks the pages' links)."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme)
+    assert targets, "the README links to no page"
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"
