@@ -2,7 +2,8 @@
 
 jaxtrace's docstrings open their doctests with ``Example:`` (as Napoleon reads it); griffe
 takes that for an admonition and renders ``>>>`` lines as quoted text. Renamed here, the
-section becomes an examples section, shown as highlighted console code.
+section becomes an examples section, shown as highlighted console code. Sphinx roles
+(``:func:`summarize```) become plain code spans.
 """
 
 import re
@@ -10,9 +11,11 @@ import re
 import griffe
 
 _EXAMPLE = re.compile(r"^(\s*)Example:\s*$", re.M)
+_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|obj|exc):`~?([^`]+)`")
 
 
 class ExampleSections(griffe.Extension):
     def on_object(self, *, obj, **kwargs):
         if obj.docstring is not None:
-            obj.docstring.value = _EXAMPLE.sub(r"\1Examples:", obj.docstring.value)
+            text = _EXAMPLE.sub(r"\1Examples:", obj.docstring.value)
+            obj.docstring.value = _ROLE.sub(r"``\1``", text)
