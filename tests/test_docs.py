@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import pathlib
 import re
+import textwrap
 import types
 
 import jax
@@ -51,7 +52,7 @@ def test_torch_module_docstring_examples():
 
 # --- code blocks of the README and the docs pages ---------------------------------------------
 
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
+FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```\s*$", re.S | re.M)  # also indented (in a list)
 REQUIRES = re.compile(r"\A#\s*requires:\s*([\w., ]+)\n")
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
@@ -59,7 +60,11 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 def python_blocks(page: pathlib.Path) -> list[tuple[int, str]]:
     """The ```python blocks of a page, with the line each starts on."""
     text = page.read_text()
-    return [(text.count("\n", 0, m.start()) + 2, m.group(2)) for m in FENCE.finditer(text) if m.group(1) == "python"]
+    return [
+        (text.count("\n", 0, m.start()) + 2, textwrap.dedent(m.group(3)))
+        for m in FENCE.finditer(text)
+        if m.group(2) == "python"
+    ]
 
 
 def test_pages_have_blocks():
@@ -94,7 +99,7 @@ def test_output_blocks_are_marked():
     """A fence without a language is neither run nor highlighted: say python, text or console."""
     for page in PAGES:
         for m in FENCE.finditer(page.read_text()):
-            assert m.group(1), f"{page.relative_to(ROOT)}: a ``` block without a language: {m.group(2)[:60]!r}"
+            assert m.group(2), f"{page.relative_to(ROOT)}: a ``` block without a language: {m.group(3)[:60]!r}"
 
 
 # --- the API reference covers every public name -----------------------------------------------
