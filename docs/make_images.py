@@ -1,4 +1,4 @@
-"""Regenerate the README's pictures: run each example in full and save a small copy here.
+"""Regenerate the pictures of the docs (gallery and guides): run each example in full and save a small copy here.
 
 Run:  python docs/make_images.py      (about a minute on 2 CPU cores; needs matplotlib)
 
@@ -16,7 +16,7 @@ import tempfile
 from PIL import Image
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PICTURES = {  # example -> (picture, width in the README)
+PICTURES = {  # example -> (picture, width on the page)
     "train_step.py": ("grad_flow.png", 900),
     "gradcam.py": ("gradcam.png", 600),
     "rnn_vanishing.py": ("rnn_vanishing.png", 800),

@@ -1,13 +1,30 @@
-"""The docstring examples and the README's first example run and say what they claim."""
+"""The documentation runs and is complete.
 
+- Every docstring example (doctest) of the public modules runs and prints what it claims.
+- Every ```python block of README.md and of every docs/**/*.md page runs: the blocks of one
+  page in order, in one namespace, like a notebook. A block whose first line is
+  ``# requires: torch`` (module names, comma separated) is skipped when one of them is
+  missing. Output goes in ```text (or ```console) blocks, which are not run.
+- Every public name has an entry (a ``::: jaxtrace.name`` directive) in the API reference,
+  docs/api/*.md, so a name added without one fails here.
+"""
+
+import ast
 import doctest
 import importlib
+import importlib.util
 import pathlib
 import re
+import textwrap
+import types
 
+import jax
 import pytest
 
 import jaxtrace
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 
 # dir() and getattr, not vars(): the equinox helpers are loaded on first access.
 PUBLIC = {name: getattr(jaxtrace, name) for name in dir(jaxtrace)}
@@ -26,21 +43,107 @@ def test_every_public_function_has_an_example():
             assert ">>>" in (obj.__doc__ or ""), f"jaxtrace.{name} has no example in its docstring"
 
 
-def test_readme_first_example_runs():
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
-
-
-@pytest.mark.parametrize("section", ["## Changing gradients", "## Gradient statistics"])
-def test_readme_section_examples_run(section):
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", readme[readme.index(section) :], re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})
-
-
 def test_torch_module_docstring_examples():
     pytest.importorskip("torch")
     import jaxtrace.torch
 
     assert doctest.testmod(jaxtrace.torch, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+# --- code blocks of the README and the docs pages ---------------------------------------------
+
+FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```\s*$", re.S | re.M)  # also indented (in a list)
+REQUIRES = re.compile(r"\A#\s*requires:\s*([\w., ]+)\n")
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def python_blocks(page: pathlib.Path) -> list[tuple[int, str]]:
+    """The ```python blocks of a page, with the line each starts on."""
+    text = page.read_text()
+    return [
+        (text.count("\n", 0, m.start()) + 2, textwrap.dedent(m.group(3)))
+        for m in FENCE.finditer(text)
+        if m.group(2) == "python"
+    ]
+
+
+def test_pages_have_blocks():
+    """The block finder finds blocks (a regex that matched nothing would pass every page)."""
+    assert len(python_blocks(ROOT / "README.md")) >= 1
+    assert sum(len(python_blocks(page)) for page in PAGES) >= 15
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_code_blocks_run(page, monkeypatch, tmp_path):
+    blocks = python_blocks(page)
+    monkeypatch.chdir(tmp_path)  # a block that writes a file writes it here
+    namespace: dict = {"__name__": "__docs__"}
+    x64 = jax.config.jax_enable_x64  # a block may switch it on (the PyTorch guide): restore it
+    missing = []
+    try:
+        for line, code in blocks:
+            requires = REQUIRES.match(code)
+            needed = [m.strip() for m in requires.group(1).split(",")] if requires else []
+            absent = [m for m in needed if importlib.util.find_spec(m) is None]
+            if absent:
+                missing.append(f"line {line} needs {', '.join(absent)}")
+                continue
+            exec(compile("\n" * (line - 1) + code, str(page.relative_to(ROOT)), "exec"), namespace)
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+    if missing:
+        pytest.skip("; ".join(missing))
+
+
+def test_output_blocks_are_marked():
+    """A fence without a language is neither run nor highlighted: say python, text or console."""
+    for page in PAGES:
+        for m in FENCE.finditer(page.read_text()):
+            assert m.group(2), f"{page.relative_to(ROOT)}: a ``` block without a language: {m.group(3)[:60]!r}"
+
+
+# --- the API reference covers every public name -----------------------------------------------
+
+
+def public_names() -> set[str]:
+    """``jaxtrace.X`` for every public name, and ``jaxtrace.M.X`` for each public submodule M.
+
+    A submodule's names are its ``__all__``, else its top-level public functions, classes and
+    constants, read from the source (so ``jaxtrace.torch`` counts without torch installed).
+    """
+    names = {f"jaxtrace.{n}" for n, obj in PUBLIC.items() if not n.startswith("_") and n != "TYPE_CHECKING" and not isinstance(obj, types.ModuleType)}
+    for path in sorted((ROOT / "jaxtrace").glob("[!_]*.py")):
+        tree = ast.parse(path.read_text())
+        found = None
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                found = set(ast.literal_eval(node.value))
+        if found is None:
+            found = set()
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    found.add(node.name)
+                elif isinstance(node, ast.Assign):
+                    found.update(t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper())
+            found = {n for n in found if not n.startswith("_")}
+        names |= {f"jaxtrace.{path.stem}.{n}" for n in found}
+    return names
+
+
+def test_every_public_name_has_a_reference_entry():
+    documented = set()
+    for page in (DOCS / "api").glob("*.md"):
+        documented |= set(re.findall(r"^:::\s*(jaxtrace[\w.]*)", page.read_text(), re.M))
+    names = public_names()
+    assert {"jaxtrace.grad", "jaxtrace.stats.summarize", "jaxtrace.torch.load_weights", "jaxtrace.plot.paths"} <= names
+    missing = sorted(names - documented)
+    assert not missing, f"public names without an API reference entry (add '::: NAME' to a docs/api/*.md page): {missing}"
+
+
+def test_readme_links_resolve():
+    """The README links into docs/ by relative path (mkdocs --strict checks the pages' links)."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme)
+    assert targets, "the README links to no page"
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"

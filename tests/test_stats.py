@@ -241,12 +241,11 @@ def test_history_from_a_jitted_training_loop(problem):
     np.testing.assert_allclose(history.array("rnn.h", "norm"), np.stack(expected), rtol=1e-12)
 
 
-def test_readme_statistics_example_runs():
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Gradient statistics") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def test_guide_statistics_example_runs():
+    page = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "training-statistics.md"
+    code = re.search(r"```python\n(.*?)```", page.read_text(), re.S).group(1)
     namespace = {}
-    exec(compile(code, "README.md (Gradient statistics)", "exec"), namespace)
+    exec(compile(code, str(page), "exec"), namespace)
     history = namespace["history"]
     assert history.steps.tolist() == [0, 5, 10, 15]
     assert history["layers.0"]["norm"].shape == (4,)

@@ -730,14 +730,13 @@ def test_load_weights_errors_name_the_parameter():
         jtt.load_weights(eqx.nn.GRUCell(3, 5, key=_keys(1)[0]), nn.GRUCell(3, 4))
 
 
-def test_readme_example_runs(capsys):
+def test_guide_example_runs(capsys):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Checking against PyTorch", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    page = pathlib.Path(__file__).parent.parent / "docs" / "guides" / "checking-against-pytorch.md"
+    code = re.search(r"```python\n(.*?)```", page.read_text(), re.S).group(1)
+    exec(compile(code, str(page), "exec"), {"__name__": "guide"})
     out = capsys.readouterr().out
     assert "OK: 3/3 names match jax vs torch" in out and "OK: 4/4 names match" in out
 
