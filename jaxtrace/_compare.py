@@ -169,7 +169,10 @@ class Comparison:
         )
         own = [r for r in self.rows if (r.rtol, r.atol) != (self.rtol, self.atol)]
         if own:
-            lines.append("held to their own tolerances: " + ", ".join(f"{r.name} (rtol={r.rtol:g}, atol={r.atol:g})" for r in own))
+            lines.append(
+                "held to their own tolerances: "
+                + ", ".join(f"{r.name} (rtol={r.rtol:g}, atol={r.atol:g})" for r in own)
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -206,7 +209,7 @@ def _tolerances(kind: str, tol, default: float, names: list) -> Callable[[str], 
         raise ValueError(
             f"compare: {kind}= names {', '.join(repr(k) for k in unknown)}, which match no name in either "
             f"input. The names are: {', '.join(repr(n) for n in names)}. A key is a name or an fnmatch "
-            "pattern (\"blocks.*.attn.hook_pattern\"); a tag on a pytree has one name per leaf (\"attn[0]\")."
+            'pattern ("blocks.*.attn.hook_pattern"); a tag on a pytree has one name per leaf ("attn[0]").'
         )
     mapping = {k: float(v) for k, v in tol.items()}
     default = mapping.pop("*", default)  # "*" is the default for the names no other key matches

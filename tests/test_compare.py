@@ -157,7 +157,9 @@ def test_per_name_tolerances():
 
 def test_per_name_tolerance_with_an_unknown_name_lists_the_names():
     x = {"blocks.0.attn.hook_z": np.ones(2), "tuple": (np.ones(1), np.ones(1))}
-    with pytest.raises(ValueError, match=r"rtol= names 'blocks\.0\.attn\.hook_q'.*'blocks\.0\.attn\.hook_z', 'tuple\[0\]'"):
+    with pytest.raises(
+        ValueError, match=r"rtol= names 'blocks\.0\.attn\.hook_q'.*'blocks\.0\.attn\.hook_z', 'tuple\[0\]'"
+    ):
         jt.compare(x, x, rtol={"blocks.0.attn.hook_q": 1e-8})
     with pytest.raises(ValueError, match=r"atol= names 'nothing\*'"):
         jt.compare(x, x, atol={"nothing*": 1e-8})
