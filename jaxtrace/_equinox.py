@@ -382,7 +382,7 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
     if where is None:
         chosen = [p for p, _ in candidates]
     elif isinstance(where, type) or (isinstance(where, tuple) and where and all(isinstance(w, type) for w in where)):
-        classes = where
+        classes = cast(Union[type, tuple], where)
         chosen = [p for p, m in candidates if isinstance(m, classes)]
     elif callable(where):
         chosen = [p for p, m in candidates if where(p, m)]
