@@ -532,6 +532,12 @@ def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
         seen.update(id(b) for _, b in buffers)
         if not direct:
             continue
+        if isinstance(mod, torch.nn.Embedding) and mod.max_norm is not None:
+            raise ValueError(
+                f"load_weights: the Embedding at {path!r} has max_norm={mod.max_norm}: torch renormalises the "
+                "rows it looks up, in place, which eqx.nn.Embedding does not. Build it without max_norm (or "
+                "renormalise the weight yourself) before porting."
+            )
         special = _SPECIAL.get(type(mod)) or next((f for t, f in _SPECIAL.items() if isinstance(mod, t)), None)
         if special is not None:
             if isinstance(mod, torch.nn.MultiheadAttention):

@@ -1106,6 +1106,8 @@ def test_load_weights_layer_errors_name_the_path_and_the_fix():
             4, 8, use_query_bias=True, use_key_bias=True, use_value_bias=True, use_output_bias=True, key=k[0]
         )
         jtt.load_weights(JNet(mha), Net(nn.MultiheadAttention(8, 2)))
+    with pytest.raises(ValueError, match=r"Embedding at 'rnn' has max_norm=1.0"):
+        jtt.load_weights(JNet(eqx.nn.Embedding(5, 2, key=k[0])), Net(nn.Embedding(5, 2, max_norm=1.0)))
     bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="ema")
     with pytest.raises(ValueError, match=r"BatchNorm1d at 'rnn' has running statistics.*state=state"):
         jtt.load_weights(JNet(bn), Net(nn.BatchNorm1d(3)))
