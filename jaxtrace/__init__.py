@@ -27,6 +27,7 @@ from ._version import __version__ as __version__
 if TYPE_CHECKING:  # loaded on first use by __getattr__ below; listed here for type checkers
     from ._equinox import filter_grad as filter_grad
     from ._equinox import filter_value_and_grad as filter_value_and_grad
+    from ._equinox import HookPoint as HookPoint
     from ._equinox import tag_modules as tag_modules
 
 # Public names whose module imports an optional dependency (equinox), loaded on
@@ -35,6 +36,7 @@ _LAZY = {
     "filter_grad": "._equinox",
     "filter_value_and_grad": "._equinox",
     "tag_modules": "._equinox",
+    "HookPoint": "._equinox",
 }
 
 

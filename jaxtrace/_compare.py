@@ -15,6 +15,10 @@ import jax
 import numpy as np
 
 Layout = Union[str, Callable[[np.ndarray], Any]]
+Tolerance = Union[float, Mapping[str, float]]
+
+DEFAULT_RTOL = 1e-5
+DEFAULT_ATOL = 1e-8
 
 
 def _nchw_to_nhwc(x):
@@ -101,6 +105,8 @@ class Row:
     max_rel: float  # max |a - b| / max |b|: the error relative to the reference's scale
     ok: bool
     note: str = ""  # why it failed beyond the tolerance: "shape", "nan" or "layout: ..."
+    rtol: float = DEFAULT_RTOL  # the tolerances this name was held to
+    atol: float = DEFAULT_ATOL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +116,7 @@ class Comparison:
     rows: tuple
     only_a: tuple
     only_b: tuple
-    rtol: float
+    rtol: float  # the default tolerances; a row held to others says so in its own rtol / atol
     atol: float
     labels: tuple
     strict: bool
@@ -161,6 +167,12 @@ class Comparison:
             f"{verdict}: {n_ok}/{len(self.rows)} names match {a} vs {b} "
             f"(pass: max abs err <= atol + rtol * max |{b}|, rtol={self.rtol:g}, atol={self.atol:g})"
         )
+        own = [r for r in self.rows if (r.rtol, r.atol) != (self.rtol, self.atol)]
+        if own:
+            lines.append(
+                "held to their own tolerances: "
+                + ", ".join(f"{r.name} (rtol={r.rtol:g}, atol={r.atol:g})" for r in own)
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -187,6 +199,33 @@ def _layout_for(name: str, layout) -> Layout | None:
     return None
 
 
+def _tolerances(kind: str, tol, default: float, names: list) -> Callable[[str], float]:
+    """The tolerance of each name: a number for all, or a mapping from names / patterns."""
+    if not isinstance(tol, Mapping):
+        value = float(tol)
+        return lambda name: value
+    unknown = [k for k in tol if k != "*" and k not in names and not any(fnmatch.fnmatchcase(n, k) for n in names)]
+    if unknown:
+        raise ValueError(
+            f"compare: {kind}= names {', '.join(repr(k) for k in unknown)}, which match no name in either "
+            f"input. The names are: {', '.join(repr(n) for n in names)}. A key is a name or an fnmatch "
+            'pattern ("blocks.*.attn.hook_pattern"); a tag on a pytree has one name per leaf ("attn[0]").'
+        )
+    mapping = {k: float(v) for k, v in tol.items()}
+    default = mapping.pop("*", default)  # "*" is the default for the names no other key matches
+    patterns = [(k, v) for k, v in mapping.items() if any(ch in k for ch in "*?[")]
+
+    def lookup(name: str) -> float:
+        if name in mapping:
+            return mapping[name]
+        for pattern, value in patterns:
+            if fnmatch.fnmatchcase(name, pattern):
+                return value
+        return default
+
+    return lookup
+
+
 def _apply_layout(name: str, spec: Layout, value: np.ndarray, target_shape: tuple) -> np.ndarray:
     if isinstance(spec, str):
         if spec == "reshape":
@@ -209,8 +248,8 @@ def compare(
     a,
     b,
     *,
-    rtol: float = 1e-5,
-    atol: float = 1e-8,
+    rtol: Tolerance = DEFAULT_RTOL,
+    atol: Tolerance = DEFAULT_ATOL,
     layout: Mapping[str, Layout] | Callable[[str, Any], Any] | None = None,
     labels: tuple = ("a", "b"),
     strict: bool = True,
@@ -228,7 +267,12 @@ def compare(
     ``max |a - b| <= atol + rtol * max |b|``, both taken over the entries
     that are finite; infinities must match in position and sign, and ``nan``
     fails unless ``equal_nan=True`` and the ``nan``s are at the same places.
-    Names found on
+    ``rtol`` and ``atol`` are numbers for every name, or mappings from names
+    (or ``fnmatch`` patterns) to a tolerance for those names, the others
+    keeping the defaults (``1e-5`` and ``1e-8``; a ``"*"`` key changes them; an exact name wins over a pattern,
+    and patterns are tried in order): ``rtol={"blocks.0.attn.hook_pattern":
+    1e-8}``. A key that matches no name on either side is an error that
+    lists the names. Names found on
     one side only are listed, and with ``strict=True`` make ``.ok`` false.
     Rows follow ``b``'s order (the reference: for ``jaxtrace.torch`` results,
     the order in which the modules ran; ``jax.jit`` returns dicts with sorted
@@ -256,12 +300,16 @@ def compare(
     if not (isinstance(labels, (tuple, list)) and len(labels) == 2):
         raise TypeError(f"compare: labels must be a pair of strings such as ('jax', 'torch'), got {labels!r}.")
     flat_a, flat_b = named_leaves(a), named_leaves(b)
+    names = [*flat_b, *(n for n in flat_a if n not in flat_b)]
+    rtol_of = _tolerances("rtol", rtol, DEFAULT_RTOL, names)
+    atol_of = _tolerances("atol", atol, DEFAULT_ATOL, names)
     rows = []
     for name, value_b in flat_b.items():
         if name not in flat_a:
             continue
         x = _to_numpy(flat_a[name])
         y = _to_numpy(value_b)
+        row_rtol, row_atol = rtol_of(name), atol_of(name)
         spec = _layout_for(name, layout)
         if spec is not None:
             try:
@@ -269,15 +317,25 @@ def compare(
             except LayoutError:
                 raise
             except Exception as e:  # a layout that does not fit this array: a failed row, not a crash
-                rows.append(Row(name, x.shape, y.shape, float("nan"), float("nan"), False, f"layout: {e}"))
+                rows.append(
+                    Row(name, x.shape, y.shape, float("nan"), float("nan"), False, f"layout: {e}", row_rtol, row_atol)
+                )
                 continue
-        rows.append(_compare_one(name, x, y, rtol, atol, bool(equal_nan)))
+        rows.append(_compare_one(name, x, y, row_rtol, row_atol, bool(equal_nan)))
     only_a = tuple(n for n in flat_a if n not in flat_b)
     only_b = tuple(n for n in flat_b if n not in flat_a)
-    return Comparison(tuple(rows), only_a, only_b, float(rtol), float(atol), tuple(labels), bool(strict))
+    # The default tolerances, for the table's last line: what a name no key matches is held to.
+    default_rtol = float(rtol.get("*", DEFAULT_RTOL)) if isinstance(rtol, Mapping) else float(rtol)
+    default_atol = float(atol.get("*", DEFAULT_ATOL)) if isinstance(atol, Mapping) else float(atol)
+    return Comparison(tuple(rows), only_a, only_b, default_rtol, default_atol, tuple(labels), bool(strict))
 
 
 def _compare_one(name: str, x: np.ndarray, y: np.ndarray, rtol: float, atol: float, equal_nan: bool) -> Row:
+    row = _compare_values(name, x, y, rtol, atol, equal_nan)
+    return dataclasses.replace(row, rtol=rtol, atol=atol)
+
+
+def _compare_values(name: str, x: np.ndarray, y: np.ndarray, rtol: float, atol: float, equal_nan: bool) -> Row:
     if x.shape != y.shape:
         return Row(name, x.shape, y.shape, float("nan"), float("nan"), False, "shape")
     if x.size == 0:

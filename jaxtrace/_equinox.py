@@ -28,7 +28,7 @@ from ._ad import value_and_grad
 from ._sites import TagSelection, check_callable, check_tags
 from ._tag import tag
 
-Where = Union[None, str, Sequence[str], Callable[[str, eqx.Module], bool]]
+Where = Union[None, str, Sequence[str], type, tuple, Callable[[str, eqx.Module], bool]]
 
 INPUT_SUFFIX = ":in"
 
@@ -66,9 +66,7 @@ class _FilterValueAndGrad(eqx.Module):
         def split_fun(diff_x, nondiff_x, *args, **kwargs):
             return fun(eqx.combine(diff_x, nondiff_x), *args, **kwargs)
 
-        return value_and_grad(split_fun, 0, has_aux=self._has_aux, tags=self._tags)(
-            diff_x, nondiff_x, *rest, **kwargs
-        )
+        return value_and_grad(split_fun, 0, has_aux=self._has_aux, tags=self._tags)(diff_x, nondiff_x, *rest, **kwargs)
 
     def __get__(self, instance, owner):
         return self if instance is None else jtu.Partial(self, instance)
@@ -135,6 +133,43 @@ def filter_grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = No
     value_and_grad_fun = cast(_FilterValueAndGrad, filter_value_and_grad(fun, has_aux=has_aux, tags=tags))
     wrapper = _FilterGrad(value_and_grad_fun, bool(has_aux))
     return eqx.module_update_wrapper(wrapper, fun)
+
+
+# --- HookPoint --------------------------------------------------------------
+
+
+class HookPoint(eqx.Module):
+    """An identity module: a named point for ``tag_modules``, as TransformerLens's ``HookPoint``.
+
+    ``HookPoint()(x)`` returns ``x``. Put one in a model as a field
+    (``self.hook_z = jt.HookPoint()``) and call it on a value
+    (``z = self.hook_z(z)``); ``jt.tag_modules(model, jt.HookPoint)`` then
+    tags each hook point by its path, so a port of a TransformerLens model
+    keeps its hook names (``"blocks.0.attn.hook_z"``) in ``tag_grads`` and in
+    ``jt.capture``. Untagged, it costs nothing.
+
+    A hook point that fires several times in one call (TransformerLens's
+    ``ln1`` runs once each for the query, key and value inputs) gives its calls
+    stacked on a leading axis in call order; TransformerLens's
+    ``run_with_cache`` keeps only the last call, which is ``[-1]`` of the
+    stacked activations (its ``"_grad"`` entries keep the last to fire in the
+    backward pass, which is the first call, ``[0]``).
+
+    Example:
+        >>> import equinox as eqx, jax.numpy as jnp, jaxtrace as jt
+        >>> class Block(eqx.Module):
+        ...     hook_pre: jt.HookPoint = jt.HookPoint()
+        ...     hook_post: jt.HookPoint = jt.HookPoint()
+        ...     def __call__(self, x):
+        ...         return self.hook_post(jnp.tanh(self.hook_pre(2.0 * x)))
+        >>> model = jt.tag_modules(Block(), jt.HookPoint)
+        >>> grads, tag_grads = jt.filter_grad(lambda m, x: jnp.sum(m(x)))(model, jnp.zeros(2))
+        >>> {name: g.tolist() for name, g in tag_grads.items()}
+        {'hook_pre': [1.0, 1.0], 'hook_post': [1.0, 1.0]}
+    """
+
+    def __call__(self, x):
+        return x
 
 
 # --- tag_modules ------------------------------------------------------------
@@ -320,7 +355,9 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
     fire once per call; calls inside ``lax.scan`` are stacked per iteration.
 
     ``where`` selects modules: ``None`` (every module with a ``__call__``,
-    root included), a list of paths, or a predicate ``(path, module) -> bool``.
+    root included), a list of paths, a class or tuple of classes (the modules
+    that are instances: ``jt.tag_modules(model, jt.HookPoint)`` tags the hook
+    points only), or a predicate ``(path, module) -> bool``.
     ``model`` itself is not changed; the new model has the same parameters in
     the same order (so gradients, optimiser states, ``eqx.filter_jit`` and
     ``eqx.tree_serialise_leaves`` files are interchangeable with the
@@ -344,6 +381,9 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
     candidates = [(p, m) for p, m in _named_modules(model) if _callable(m)]
     if where is None:
         chosen = [p for p, _ in candidates]
+    elif isinstance(where, type) or (isinstance(where, tuple) and where and all(isinstance(w, type) for w in where)):
+        classes = cast(Union[type, tuple], where)
+        chosen = [p for p, m in candidates if isinstance(m, classes)]
     elif callable(where):
         chosen = [p for p, m in candidates if where(p, m)]
     else:
@@ -355,7 +395,7 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
             raise ValueError(
                 f"jaxtrace.tag_modules: no callable submodule at {', '.join(repr(p) for p in unknown)}. "
                 f"The model's callable modules are: {listing}. Paths are dotted as in PyTorch's "
-                "named_modules() (\"layers.0\"); the root is \"\"."
+                'named_modules() ("layers.0"); the root is "".'
             )
         chosen = wanted
     specs = {p: _ModuleTag(p, bool(inputs)) for p in chosen}

@@ -508,7 +508,8 @@ def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
     """How each array of ``model`` is made from ``module``'s parameters.
 
     With ``grads=True``, ``model`` is a gradient tree: arrays that are ``None``
-    there (no gradient) are skipped instead of being an error.
+    there (no gradient) are skipped instead of being an error. BatchNorm running
+    statistics bound for an ``eqx.nn.State`` are planned by ``_plan_state``.
     """
     plan: list[_Assign] = []
     seen: set = set()
@@ -526,15 +527,25 @@ def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
         base = _steps_to(model, path, f"a {kind}")
         target = _get(model, base)
         # Floating buffers (BatchNorm running statistics) go into fields of their name where the
-        # equinox module has one (eqx.nn.BatchNorm keeps them in its State instead).
+        # equinox module has one (eqx.nn.BatchNorm keeps them in its State instead: _plan_state).
         direct += [(n, b) for n, b in buffers if hasattr(target, n)]
         seen.update(id(b) for _, b in buffers)
         if not direct:
             continue
-        if isinstance(mod, torch.nn.GRUCell):
-            plan.extend(a for a in _plan_gru(path, mod, base, target) if not grads or _get(model, a.steps) is not None)
+        if isinstance(mod, torch.nn.Embedding) and mod.max_norm is not None:
+            raise ValueError(
+                f"load_weights: the Embedding at {path!r} has max_norm={mod.max_norm}: torch renormalises the "
+                "rows it looks up, in place, which eqx.nn.Embedding does not. Build it without max_norm (or "
+                "renormalise the weight yourself) before porting."
+            )
+        special = _SPECIAL.get(type(mod)) or next((f for t, f in _SPECIAL.items() if isinstance(mod, t)), None)
+        if special is not None:
+            if isinstance(mod, torch.nn.MultiheadAttention):
+                seen.update(id(p) for p in mod.out_proj.parameters())
+            new = special(path, mod, base, target)
+            plan.extend(a for a in new if not grads or _get(model, a.steps) is not None)
             continue
-        conv = isinstance(mod, torch.nn.modules.conv._ConvNd) and not mod.transposed
+        conv = isinstance(mod, torch.nn.modules.conv._ConvNd)
         for name, p in direct:
             full = _full(path, name)
             if not hasattr(target, name):
@@ -545,18 +556,17 @@ def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
             leaf = getattr(target, name)
             if grads and leaf is None:
                 continue
-            if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
-                raise ValueError(
-                    f"load_weights: the torch parameter {full!r} has no array to go into: the equinox "
-                    f"{type(target).__name__} at {_show(base)} has {name} = {leaf!r}"
-                    + (" (built with use_bias=False?)." if leaf is None else ".")
-                )
+            _check_leaf(full, base, name, target, leaf)
             shape, eshape = tuple(p.shape), tuple(leaf.shape)
-            if shape == eshape:
+            if conv and mod.transposed and name == "weight":
+                fn = _conv_transpose_weight(mod.groups)  # torch (in, out/g, *k) -> equinox (out, in/g, *k), flipped
+            elif shape == eshape:
                 fn = _identity
             elif conv and name == "bias" and eshape == shape + (1,) * (len(eshape) - len(shape)):
                 fn = _reshaper(eshape)  # equinox keeps conv biases as (out, 1, 1)
             else:
+                fn = None
+            if fn is None or tuple(jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, leaf.dtype)).shape) != eshape:
                 raise ValueError(
                     f"load_weights: the torch parameter {full!r} has shape {shape}, but the equinox "
                     f"array at {_show(base + (('attr', name),))} has shape {eshape}. Build the equinox "
@@ -564,6 +574,15 @@ def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
                 )
             plan.append(_Assign(base + (("attr", name),), (full,), fn))
     return plan
+
+
+def _check_leaf(full, base, name, target, leaf):
+    if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+        raise ValueError(
+            f"load_weights: the torch parameter {full!r} has no array to go into: the equinox "
+            f"{type(target).__name__} at {_show(base)} has {name} = {leaf!r}"
+            + (" (built with use_bias=False?)." if leaf is None else ".")
+        )
 
 
 def _identity(x):
@@ -574,26 +593,59 @@ def _reshaper(shape):
     return lambda x: x.reshape(shape)
 
 
+def _conv_transpose_weight(groups: int):
+    def fn(w):
+        # torch keeps a transposed convolution's kernel as (in, out / groups, *k) and applies it as
+        # the transpose of a convolution; equinox runs a dilated convolution with an (out, in / groups,
+        # *k) kernel: swap the channel axes within each group and flip the kernel in space.
+        cin, cout_g, *k = w.shape
+        w = w.reshape(groups, cin // groups, cout_g, *k).swapaxes(1, 2).reshape(groups * cout_g, cin // groups, *k)
+        return jnp.flip(w, axis=tuple(range(2, w.ndim)))
+
+    return fn
+
+
+def _need(path, mod, base, target, cls, checks: dict):
+    """An error unless ``target`` is an instance of ``cls`` with ``checks`` {what: (torch, equinox)} equal."""
+    kind = type(mod).__name__
+    if not isinstance(target, cls):
+        raise ValueError(
+            f"load_weights: the torch {kind} at {path!r} needs an {cls.__module__.split('.')[0]}.nn."
+            f"{cls.__name__} there, but the equinox model has a {type(target).__name__} at {_show(base)}."
+        )
+    bad = {k: v for k, v in checks.items() if v[0] != v[1]}
+    if bad:
+        raise ValueError(
+            f"load_weights: the {kind} at {path!r} and the equinox {cls.__name__} at {_show(base)} differ: "
+            + "; ".join(f"{k} is {t} in torch but {e} in equinox" for k, (t, e) in bad.items())
+            + ". Build the equinox layer to match."
+        )
+
+
 def _plan_gru(path, mod, base, target) -> list[_Assign]:
-    if not isinstance(target, eqx.nn.GRUCell):
-        raise ValueError(
-            f"load_weights: the torch GRUCell at {path!r} needs an equinox.nn.GRUCell, but the equinox "
-            f"model has a {type(target).__name__} at {_show(base)}."
-        )
-    if (target.input_size, target.hidden_size, target.use_bias) != (mod.input_size, mod.hidden_size, mod.bias):
-        raise ValueError(
-            f"load_weights: the GRUCell at {path!r} has input_size={mod.input_size}, "
-            f"hidden_size={mod.hidden_size}, bias={mod.bias} in torch, but input_size={target.input_size}, "
-            f"hidden_size={target.hidden_size}, use_bias={target.use_bias} in equinox."
-        )
-    h = mod.hidden_size
-    name = lambda n: _full(path, n)  # noqa: E731
+    _need(
+        path,
+        mod,
+        base,
+        target,
+        eqx.nn.GRUCell,
+        {
+            "input_size": (mod.input_size, target.input_size),
+            "hidden_size": (mod.hidden_size, target.hidden_size),
+            "bias (use_bias)": (mod.bias, target.use_bias),
+        },
+    )
+    return _gru_cell(path, base, mod.hidden_size, mod.bias, "")
+
+
+def _gru_cell(path, base, h, bias, suffix) -> list[_Assign]:
+    name = lambda n: _full(path, n + suffix)  # noqa: E731
     at = lambda n: base + (("attr", n),)  # noqa: E731
     plan = [
         _Assign(at("weight_ih"), (name("weight_ih"),), _identity),
         _Assign(at("weight_hh"), (name("weight_hh"),), _identity),
     ]
-    if mod.bias:
+    if bias:
         # torch: r, z = sigmoid(W_i x + b_i + W_h h + b_h) and n = tanh(W_in x + b_in + r * (W_hn h + b_hn));
         # equinox: one bias on the input side and bias_n inside the reset product.
         plan.append(
@@ -607,27 +659,237 @@ def _plan_gru(path, mod, base, target) -> list[_Assign]:
     return plan
 
 
-def load_weights(model, module: "torch.nn.Module"):
+def _lstm_cell(path, base, bias, suffix) -> list[_Assign]:
+    name = lambda n: _full(path, n + suffix)  # noqa: E731
+    at = lambda n: base + (("attr", n),)  # noqa: E731
+    plan = [
+        _Assign(at("weight_ih"), (name("weight_ih"),), _identity),
+        _Assign(at("weight_hh"), (name("weight_hh"),), _identity),
+    ]
+    if bias:  # the same gate order (i, f, g, o); equinox has one bias where torch has two
+        plan.append(_Assign(at("bias"), (name("bias_ih"), name("bias_hh")), _add))
+    return plan
+
+
+def _add(a, b):
+    return a + b
+
+
+def _plan_lstm_cell(path, mod, base, target) -> list[_Assign]:
+    _need(
+        path,
+        mod,
+        base,
+        target,
+        eqx.nn.LSTMCell,
+        {
+            "input_size": (mod.input_size, target.input_size),
+            "hidden_size": (mod.hidden_size, target.hidden_size),
+            "bias (use_bias)": (mod.bias, target.use_bias),
+        },
+    )
+    return _lstm_cell(path, base, mod.bias, "")
+
+
+def _plan_rnn(path, mod, base, target) -> list[_Assign]:
+    """``nn.GRU`` / ``nn.LSTM``: a list of layers, each a cell or a list of cells (forward, reverse)."""
+    kind = type(mod).__name__
+    cell_cls = eqx.nn.GRUCell if isinstance(mod, torch.nn.GRU) else eqx.nn.LSTMCell
+    layout = f"a list of {mod.num_layers} layers, each " + (
+        f"a list [forward, reverse] of eqx.nn.{cell_cls.__name__}"
+        if mod.bidirectional
+        else f"an eqx.nn.{cell_cls.__name__}"
+    )
+    if getattr(mod, "proj_size", 0):
+        raise ValueError(
+            f"load_weights: the LSTM at {path!r} has proj_size={mod.proj_size}, which eqx.nn.LSTMCell does not "
+            "have. Port it with your own cell (its weight_hr_l* projects the hidden state)."
+        )
+    if not isinstance(target, (list, tuple)) or len(target) != mod.num_layers:
+        raise ValueError(
+            f"load_weights: the torch {kind} at {path!r} goes into {layout} (torch's layer k, direction d is "
+            f"[k][d]), but the equinox model has {_describe_tree(target)} at {_show(base)}."
+        )
+    directions = 2 if mod.bidirectional else 1
+    plan: list[_Assign] = []
+    for k, layer in enumerate(target):
+        cells = layer if isinstance(layer, (list, tuple)) else [layer]
+        if len(cells) != directions:
+            raise ValueError(
+                f"load_weights: the torch {kind} at {path!r} goes into {layout}, but layer {k} at "
+                f"{_show(base + (('item', k),))} is {_describe_tree(layer)}."
+            )
+        for d, cell in enumerate(cells):
+            steps = base + (("item", k),) + ((("item", d),) if isinstance(layer, (list, tuple)) else ())
+            where = f"{path!r} (layer {k}{', reverse' if d else ''})"
+            input_size = mod.input_size if k == 0 else directions * mod.hidden_size
+            _need(
+                where,
+                mod,
+                steps,
+                cell,
+                cell_cls,
+                {
+                    "input_size": (input_size, getattr(cell, "input_size", None)),
+                    "hidden_size": (mod.hidden_size, getattr(cell, "hidden_size", None)),
+                    "bias (use_bias)": (mod.bias, getattr(cell, "use_bias", None)),
+                },
+            )
+            suffix = f"_l{k}" + ("_reverse" if d else "")
+            if cell_cls is eqx.nn.GRUCell:
+                plan.extend(_gru_cell(path, steps, mod.hidden_size, mod.bias, suffix))
+            else:
+                plan.extend(_lstm_cell(path, steps, mod.bias, suffix))
+    return plan
+
+
+def _describe_tree(x) -> str:
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)}: [{', '.join(type(v).__name__ for v in x)}]"
+    return f"a {type(x).__name__}"
+
+
+def _plan_elman(path, mod, base, target) -> list[_Assign]:
+    raise ValueError(
+        f"load_weights: the torch {type(mod).__name__} at {path!r} has no equinox counterpart (equinox has "
+        "GRUCell and LSTMCell, not a tanh/ReLU RNN cell). Port it with a Linear pair of your own, or use "
+        "nn.GRU / nn.LSTM."
+    )
+
+
+def _plan_mha(path, mod, base, target) -> list[_Assign]:
+    """``nn.MultiheadAttention`` onto ``eqx.nn.MultiheadAttention``: in_proj split into q, k, v."""
+    e, heads = mod.embed_dim, mod.num_heads
+    if mod.bias_k is not None or mod.add_zero_attn:
+        raise ValueError(
+            f"load_weights: the MultiheadAttention at {path!r} was built with "
+            + ("add_bias_kv=True" if mod.bias_k is not None else "add_zero_attn=True")
+            + ", which eqx.nn.MultiheadAttention does not have. Port it with your own attention module."
+        )
+    has_bias = mod.in_proj_bias is not None
+    out_bias = mod.out_proj.bias is not None
+    _need(
+        path,
+        mod,
+        base,
+        target,
+        eqx.nn.MultiheadAttention,
+        {
+            "num_heads": (heads, getattr(target, "num_heads", None)),
+            "embed_dim (query_size)": (e, getattr(target, "query_size", None)),
+            "kdim (key_size)": (mod.kdim, getattr(target, "key_size", None)),
+            "vdim (value_size)": (mod.vdim, getattr(target, "value_size", None)),
+            "embed_dim (output_size)": (e, getattr(target, "output_size", None)),
+            "head_dim (qk_size)": (e // heads, getattr(target, "qk_size", None)),
+            "head_dim (vo_size)": (e // heads, getattr(target, "vo_size", None)),
+            "bias (use_query_bias, use_key_bias, use_value_bias)": (
+                (has_bias,) * 3,
+                tuple(getattr(target, f"use_{n}_bias", None) for n in ("query", "key", "value")),
+            ),
+            "out_proj bias (use_output_bias)": (out_bias, getattr(target, "use_output_bias", None)),
+        },
+    )
+    at = lambda proj, n: base + (("attr", proj), ("attr", n))  # noqa: E731
+    plan = []
+    for i, proj in enumerate(("query_proj", "key_proj", "value_proj")):
+        if mod._qkv_same_embed_dim:
+            plan.append(_Assign(at(proj, "weight"), (_full(path, "in_proj_weight"),), _rows(i * e, (i + 1) * e)))
+        else:
+            own = ("q", "k", "v")[i] + "_proj_weight"
+            plan.append(_Assign(at(proj, "weight"), (_full(path, own),), _identity))
+        if has_bias:
+            plan.append(_Assign(at(proj, "bias"), (_full(path, "in_proj_bias"),), _rows(i * e, (i + 1) * e)))
+    plan.append(_Assign(at("output_proj", "weight"), (_full(path, "out_proj.weight"),), _identity))
+    if out_bias:
+        plan.append(_Assign(at("output_proj", "bias"), (_full(path, "out_proj.bias"),), _identity))
+    return plan
+
+
+def _rows(start: int, stop: int):
+    return lambda x: x[start:stop]
+
+
+_SPECIAL: dict = {
+    torch.nn.GRUCell: _plan_gru,
+    torch.nn.LSTMCell: _plan_lstm_cell,
+    torch.nn.GRU: _plan_rnn,
+    torch.nn.LSTM: _plan_rnn,
+    torch.nn.RNN: _plan_elman,
+    torch.nn.RNNCell: _plan_elman,
+    torch.nn.MultiheadAttention: _plan_mha,
+}
+
+
+def _plan_state(model, module, state) -> list[tuple]:
+    """``[(steps to an eqx.nn.BatchNorm, torch path)]`` whose running statistics go into ``state``.
+
+    An ``eqx.nn.BatchNorm`` under a torch BatchNorm that tracks running statistics needs a ``State``.
+    """
+    out = []
+    for path, mod in module.named_modules():
+        if not (isinstance(mod, torch.nn.modules.batchnorm._NormBase) and mod.running_mean is not None):
+            continue
+        base = _steps_to(model, path, f"a {type(mod).__name__}")
+        target = _get(model, base)
+        if not isinstance(target, eqx.nn.BatchNorm):
+            continue  # a hand-written batch norm: its fields of the buffers' names are filled by _plan
+        if state is None:
+            raise ValueError(
+                f"load_weights: the torch {type(mod).__name__} at {path!r} has running statistics, which the "
+                f"eqx.nn.BatchNorm at {_show(base)} keeps in an eqx.nn.State. Pass it: "
+                "`model, state = load_weights(model, module, state=state)` (from eqx.nn.make_with_state)."
+            )
+        if target.mode != "ema":
+            raise ValueError(
+                f"load_weights: the eqx.nn.BatchNorm at {_show(base)} was built with mode={target.mode!r}; "
+                f"only mode='ema' keeps running statistics as torch does (the torch {type(mod).__name__} at "
+                f"{path!r}). Build it with mode='ema' (and momentum = 1 - torch's momentum)."
+            )
+        out.append((base, path))
+    return out
+
+
+def load_weights(model, module: "torch.nn.Module", *, state=None):
     """A copy of the equinox ``model`` with ``module``'s parameters in it, matched by path.
 
     Each torch parameter ``"<path>.<name>"`` goes into the equinox array found
     by following ``<path>`` in ``model`` (attributes; list indices; the
     ``layers`` of an ``eqx.nn.Sequential``, so torch ``"seq.0"`` is
     ``model.seq.layers[0]``) and then the field ``<name>``. ``Linear``,
-    ``Embedding``, ``LayerNorm`` and the like copy as they are (equinox keeps
-    PyTorch's ``(out, in)`` weight layout); ``Conv1d/2d/3d`` biases are
-    reshaped to equinox's ``(out, 1, ...)``; a ``GRUCell``'s ``bias_ih`` and
-    ``bias_hh`` are folded into ``eqx.nn.GRUCell``'s ``bias`` and ``bias_n``.
+    ``Embedding``, ``LayerNorm``, ``GroupNorm`` and the like copy as they are
+    (equinox keeps PyTorch's ``(out, in)`` weight layout); ``Conv1d/2d/3d``
+    and ``ConvTranspose1d/2d/3d`` biases are reshaped to equinox's
+    ``(out, 1, ...)``, and a transposed convolution's kernel is rearranged to
+    equinox's ``(out, in / groups, ...)`` and flipped. Layers whose equinox
+    counterpart is laid out differently:
+
+    - ``GRUCell`` / ``LSTMCell`` onto ``eqx.nn.GRUCell`` / ``eqx.nn.LSTMCell``
+      (``bias_ih`` and ``bias_hh`` are folded into equinox's biases).
+    - ``GRU`` / ``LSTM`` (any ``num_layers``, ``bidirectional``) onto a list
+      with one entry per layer: a cell, or with ``bidirectional=True`` a list
+      ``[forward, reverse]`` of cells; torch's ``weight_ih_l1_reverse`` goes
+      into ``[1][1].weight_ih``. Layer ``k > 0`` takes ``directions *
+      hidden_size`` inputs. Running the cells (a scan per layer and direction)
+      is yours to write; the guide ``docs/guides/pytorch-weights.md`` has one.
+    - ``MultiheadAttention`` onto ``eqx.nn.MultiheadAttention`` with the same
+      ``num_heads`` and sizes: ``in_proj_weight`` / ``in_proj_bias`` are split
+      into ``query_proj``, ``key_proj``, ``value_proj``; ``out_proj`` goes into
+      ``output_proj``.
+    - ``BatchNorm1d/2d/3d`` onto ``eqx.nn.BatchNorm(..., mode="ema")``: the
+      weight and bias into the module, the running statistics into ``state``
+      (an ``eqx.nn.State``, from ``eqx.nn.make_with_state``), and then the
+      result is ``(model, state)``. Onto a hand-written batch norm, floating
+      persistent buffers go into fields of their names.
+
     Parameters of your own modules copy by attribute name when the shapes
     agree, and so do floating persistent buffers where the equinox module has
-    a field of the buffer's name (BatchNorm's ``running_mean`` /
-    ``running_var`` into a hand-written batch norm's fields; ``eqx.nn.BatchNorm``
-    keeps them in its ``State``, and integer buffers such as
-    ``num_batches_tracked`` are not copied). ``model`` may be
+    a field of the buffer's name (integer buffers such as
+    ``num_batches_tracked`` are not copied). ``model`` (and ``state``) may be
     abstract (``eqx.filter_eval_shape`` of its constructor: arrays as
     ``jax.ShapeDtypeStruct``), so a large port skips its random init. Values
-    and dtypes come from torch. A parameter or buffer with no place to go is
-    an error that names it.
+    and dtypes come from torch. A parameter with no place to go, or a layer
+    equinox cannot express (``nn.RNN``, attention with ``add_bias_kv``), is an
+    error that names its path.
 
     Example:
         >>> import torch, jax, equinox as eqx, jaxtrace.torch as jtt
@@ -638,13 +900,39 @@ def load_weights(model, module: "torch.nn.Module"):
         >>> model = jtt.load_weights(model, net)
         >>> bool((model.layers[2].weight == net[2].weight.detach().numpy()).all())
         True
+        >>> bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="ema")
+        >>> bn, state = jtt.load_weights(bn, torch.nn.BatchNorm1d(4), state=state)
+        >>> state.get(bn.ema_state_index)[1].tolist()
+        [1.0, 1.0, 1.0, 1.0]
     """
+    if state is not None and not isinstance(state, eqx.nn.State):
+        raise TypeError(
+            f"load_weights: state= must be an eqx.nn.State (from eqx.nn.make_with_state), got {type(state).__name__}."
+        )
     plan = _plan(model, module)
-    if not plan:
-        return model
+    batch_norms = _plan_state(model, module, state)
     values = {n: jnp.asarray(_to_numpy(p)) for n, p in [*module.named_parameters(), *module.named_buffers()]}
-    new = [a.fn(*(values[n] for n in a.names)) for a in plan]
-    return eqx.tree_at(lambda m: [_get(m, a.steps) for a in plan], model, new)
+    if plan:
+        new = [a.fn(*(values[n] for n in a.names)) for a in plan]
+        model = eqx.tree_at(lambda m: [_get(m, a.steps) for a in plan], model, new)
+    if state is None:
+        return model
+    if batch_norms:
+        norms = [_get(model, steps) for steps, _ in batch_norms]
+
+        def where(s):
+            out = []
+            for bn in norms:
+                mean, var = s.get(bn.ema_state_index)
+                out += [mean, var, s.get(bn.ema_first_time_index)]
+            return out
+
+        new = []
+        for _, path in batch_norms:
+            # Not the first call any more: training goes on from torch's statistics.
+            new += [values[_full(path, "running_mean")], values[_full(path, "running_var")], jnp.array(False)]
+        state = eqx.tree_at(where, state, new)
+    return model, state
 
 
 def named_grads(grads, module: "torch.nn.Module") -> dict:

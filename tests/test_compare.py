@@ -135,3 +135,32 @@ def test_infinities_match_in_position_and_sign_and_nan_only_if_asked():
     assert not jt.compare(with_nan, {"s": np.array([1.0, np.nan])}).ok
     assert jt.compare(with_nan, {"s": np.array([1.0, np.nan])}, equal_nan=True).ok
     assert not jt.compare(with_nan, {"s": np.array([np.nan, 1.0])}, equal_nan=True).ok
+
+
+def test_per_name_tolerances():
+    x = {"blocks.0.attn.hook_pattern": np.ones(3), "blocks.1.attn.hook_pattern": np.ones(3), "embed": np.ones(2)}
+    y = {k: v + 1e-6 for k, v in x.items()}
+    assert jt.compare(x, y).ok  # 1e-6 <= 1e-8 + 1e-5 * 1
+    tight = jt.compare(x, y, rtol={"blocks.0.attn.hook_pattern": 1e-8})
+    assert tight.failed == ["blocks.0.attn.hook_pattern"]
+    row = tight.rows[0]
+    assert (row.rtol, row.atol) == (1e-8, 1e-8) and tight.rows[2].rtol == 1e-5
+    assert "held to their own tolerances: blocks.0.attn.hook_pattern (rtol=1e-08" in str(tight)
+    # Patterns, an exact name winning over a pattern, "*" as the default, atol as a mapping.
+    both = jt.compare(x, y, rtol={"blocks.*": 1e-8, "blocks.1.attn.hook_pattern": 1e-3})
+    assert both.failed == ["blocks.0.attn.hook_pattern"]
+    default = jt.compare(x, y, rtol={"*": 0.0, "embed": 1e-3}, atol=0.0)
+    assert default.failed == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"] and default.rtol == 0.0
+    assert jt.compare(x, y, rtol=0.0, atol={"*": 2e-6}).ok
+    assert not jt.compare(x, y, rtol=0.0, atol={"embed": 2e-6}).ok
+
+
+def test_per_name_tolerance_with_an_unknown_name_lists_the_names():
+    x = {"blocks.0.attn.hook_z": np.ones(2), "tuple": (np.ones(1), np.ones(1))}
+    with pytest.raises(
+        ValueError, match=r"rtol= names 'blocks\.0\.attn\.hook_q'.*'blocks\.0\.attn\.hook_z', 'tuple\[0\]'"
+    ):
+        jt.compare(x, x, rtol={"blocks.0.attn.hook_q": 1e-8})
+    with pytest.raises(ValueError, match=r"atol= names 'nothing\*'"):
+        jt.compare(x, x, atol={"nothing*": 1e-8})
+    assert jt.compare(x, x, rtol={"tuple[[]0]": 0.0}).ok  # fnmatch's escape for "["

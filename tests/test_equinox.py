@@ -463,6 +463,7 @@ def test_tagged_model_compiles_to_the_same_program():
     args = (eqx.nn.State(model), jnp.ones((5, 3)))
     assert _hlo(jt.tag_modules(model, inputs=True), loss, *args) == _hlo(model, loss, *args)
 
+
 def test_serialisation_round_trip(tmp_path):
     tagged = jt.tag_modules(mlp())
     other = eqx.nn.MLP(3, 2, 5, 2, activation=jnp.tanh, key=KEYS[15])
@@ -608,3 +609,87 @@ def test_module_gradients_match_pytorch_hooks():
     # Parameter gradients agree as well.
     np.testing.assert_allclose(grads.layers[0].weight, net.layers[0].weight.grad.numpy(), rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(grads.cell.weight_hh, net.cell.weight_hh.grad.numpy(), rtol=1e-10, atol=1e-10)
+
+
+# --- HookPoint: TransformerLens-style named points -----------------------------
+
+
+class _Attn(eqx.Module):
+    proj: eqx.nn.Linear
+    hook_q: jt.HookPoint
+    hook_z: jt.HookPoint
+
+    def __init__(self, key):
+        self.proj, self.hook_q, self.hook_z = eqx.nn.Linear(3, 3, key=key), jt.HookPoint(), jt.HookPoint()
+
+    def __call__(self, x):
+        return self.hook_z(jnp.tanh(self.hook_q(self.proj(x))))
+
+
+class _Block(eqx.Module):
+    ln1: eqx.nn.LayerNorm
+    attn: _Attn
+    hook_normalized: jt.HookPoint
+    hook_resid_post: jt.HookPoint
+
+    def __init__(self, key):
+        self.ln1, self.attn = eqx.nn.LayerNorm(3), _Attn(key)
+        self.hook_normalized, self.hook_resid_post = jt.HookPoint(), jt.HookPoint()
+
+    def __call__(self, x):
+        # The hook point fires twice (as TransformerLens's ln1 does, once per q/k/v input).
+        a = self.hook_normalized(self.ln1(x))
+        b = self.hook_normalized(self.ln1(2.0 * x))
+        return self.hook_resid_post(x + self.attn(a) * b)
+
+
+class _Stack(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_hook_points_are_tagged_by_path_and_repeated_calls_stack(maybe_jit):
+    blocks = [_Block(KEYS[0]), _Block(KEYS[1])]
+    model = jt.tag_modules(blocks[0], jt.HookPoint)
+    x = jnp.array([0.3, -1.0, 2.0])
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    grads, tag_grads = maybe_jit(jt.filter_grad(loss))(model, x)
+    assert sorted(tag_grads) == ["attn.hook_q", "attn.hook_z", "hook_normalized", "hook_resid_post"]
+    assert tag_grads["hook_normalized"].shape == (2, 3)  # two calls, stacked in call order
+    acts = jt.capture(lambda x: model(x))(x)[1]
+    np.testing.assert_allclose(acts["hook_normalized"][-1], blocks[0].ln1(2.0 * x), rtol=1e-12)  # TL's "last call"
+    # Oracle: + eps at each call of each hook point.
+    m = blocks[0]
+
+    def by_hand(e, x):
+        a = m.ln1(x) + e["n"][0]
+        b = m.ln1(2.0 * x) + e["n"][1]
+        q = m.attn.proj(a) + e["q"]
+        z = jnp.tanh(q) + e["z"]
+        return jnp.sum((x + z * b + e["r"]) ** 2)
+
+    zeros = {"n": jnp.zeros((2, 3)), "q": jnp.zeros(3), "z": jnp.zeros(3), "r": jnp.zeros(3)}
+    want = jax.grad(by_hand)(zeros, x)
+    assert_close(
+        [tag_grads[k] for k in ["hook_normalized", "attn.hook_q", "attn.hook_z", "hook_resid_post"]],
+        [want["n"], want["q"], want["z"], want["r"]],
+    )
+    assert_close(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(eqx.filter_grad(loss)(blocks[0], x)))
+    # In a list, the paths carry the index; a tuple of classes selects as isinstance does.
+    tagged = jt.tag_modules(_Stack(blocks), (jt.HookPoint, eqx.nn.LayerNorm))
+    names = jt.capture(tagged)(x)[1]
+    assert "blocks.1.attn.hook_z" in names and "blocks.0.ln1" in names and "blocks.0.attn.proj" not in names
+
+
+def test_hook_point_is_an_identity_on_pytrees():
+    hp = jt.HookPoint()
+    value = (jnp.ones(2), {"a": jnp.zeros(1)})
+    assert hp(value) is value
+    assert jax.tree_util.tree_leaves(hp) == []

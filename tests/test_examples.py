@@ -39,3 +39,35 @@ def test_example_quick(script, tmp_path):
         assert path.stat().st_size > 10_000  # a real picture, not an empty canvas
         assert f"wrote {path}" in out.stdout  # and it says where
 
+
+def test_transformerlens_port():
+    """Needs transformer_lens 3.x (HookedTransformer), which CI does not install: its install takes minutes."""
+    pytest.importorskip("torch")
+    pytest.importorskip(
+        "transformer_lens", reason="transformer_lens is not installed (pip install transformer-lens==3.9.0)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", str(ROOT / "examples" / "transformerlens_port.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "OK: 40/40 names match jaxtrace vs TransformerLens" in out.stdout  # activations and gradients
+    assert out.stdout.count(": OK (38 hook points)") == 2  # attribution patching, both ways
+    assert "all agree to 1e-10" in out.stdout
+
+
+def test_transformerlens_port_without_transformer_lens_says_how_to_install():
+    # Runs the script with transformer_lens hidden from importlib.util.find_spec: it explains and exits 0.
+    code = (
+        "import importlib.util, sys; importlib.util.find_spec = (lambda f: lambda n, *a: None if n == "
+        "'transformer_lens' else f(n, *a))(importlib.util.find_spec); sys.argv = ['x']; "
+        f"exec(compile(open({str(ROOT / 'examples' / 'transformerlens_port.py')!r}).read(), 'port', 'exec'), "
+        "{'__name__': '__main__'})"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "pip install" in out.stdout and "transformer-lens==3.9.0" in out.stdout

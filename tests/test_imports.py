@@ -37,7 +37,7 @@ def test_equinox_is_imported_only_when_an_equinox_helper_is_used():
         assert "equinox" not in sys.modules, "jt.grad or jt.stats imported equinox"
 
         names = dir(jt)
-        for name in ("filter_grad", "filter_value_and_grad", "tag_modules"):
+        for name in ("filter_grad", "filter_value_and_grad", "tag_modules", "HookPoint"):
             assert name in names, name
         assert "equinox" not in sys.modules, "dir(jaxtrace) imported equinox"
 
@@ -57,6 +57,8 @@ def test_lazy_names_are_the_equinox_helpers():
 
         assert tag_modules is impl.tag_modules and filter_value_and_grad is impl.filter_value_and_grad
         assert jt.filter_grad is impl.filter_grad
+        from jaxtrace import HookPoint
+        assert HookPoint is impl.HookPoint and ">>>" in HookPoint.__doc__
         assert jt.tag_modules.__doc__ == impl.tag_modules.__doc__ and ">>>" in jt.tag_modules.__doc__
         assert "tag_modules" in vars(jt)  # cached after the first access
 
