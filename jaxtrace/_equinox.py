@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable, Sequence, Union, cast
 
 import equinox as eqx
@@ -336,10 +337,22 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
         >>> {name: g.shape for name, g in tag_grads.items()}
         {'layers.0:in': (3,), 'layers.0': (8,), 'layers.1:in': (8,), 'layers.1': (8,)}
     """
+    nnx = sys.modules.get("flax.nnx")  # never imported here: a Flax model means Flax is loaded
+    if nnx is not None and isinstance(model, nnx.Module):
+        from ._nnx import tag_modules as nnx_tag_modules
+
+        return nnx_tag_modules(model, where, inputs=inputs)
+    linen = sys.modules.get("flax.linen")
+    if linen is not None and isinstance(model, linen.Module):
+        raise TypeError(
+            "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
+            "they are tagged while they run: `with jaxtrace.flax.tag_modules(): "
+            "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`."
+        )
     if not isinstance(model, eqx.Module):
         raise TypeError(
-            f"jaxtrace.tag_modules needs an equinox.Module, but got {type(model).__name__}. "
-            "Pass the model itself (e.g. an eqx.nn.MLP or your own eqx.Module subclass)."
+            f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
+            "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
         )
     candidates = [(p, m) for p, m in _named_modules(model) if _callable(m)]
     if where is None:
