@@ -329,6 +329,20 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
     classes, so attribute access and ``isinstance`` work as before. Only
     ``__call__`` is tagged, not other methods.
 
+    A Flax NNX model (an ``nnx.Module``) is handled the same way: names are
+    attribute paths joined by dots, ``nnx.List`` and list entries by index, an
+    ``nnx.Sequential``'s children by index alone (``"0"``, ``"2"``); calls
+    inside ``nnx.scan`` are stacked per step. The result is a clone (new
+    ``Variable`` objects holding the same arrays; changing one model does not
+    change the other) whose selected modules are instances of subclasses of
+    their classes, so ``nnx.state`` of both are equal trees, and states,
+    optimizer states and checkpoints are interchangeable; it works inside
+    ``nnx.jit``, ``nnx.grad``, ``nnx.scan``, ``nnx.vmap``, and with
+    ``jaxtrace.grad`` on the module itself or on ``nnx.split`` state. Flax is
+    never imported by jaxtrace for this: a Flax model means Flax is loaded.
+    For Linen see ``jaxtrace.flax.tag_modules``; an example for each is in
+    ``jaxtrace.flax``.
+
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
         >>> mlp = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
