@@ -33,6 +33,13 @@ def _value(v):
     return v[...] if isinstance(v, nnx.Variable) else v
 
 
+def _plain(state):  # PRNG keys as their bits, so that states compare as arrays
+    def bits(a):
+        return jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+
+    return jax.tree_util.tree_map(bits, state)
+
+
 # --- NNX ------------------------------------------------------------------------
 
 
@@ -229,6 +236,41 @@ def test_nnx_import_is_lazy():
     assert out.returncode == 0, out.stderr
 
 
+class Stateful(nnx.Module):  # RNG counts and batch statistics change on every call
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 4, rngs=rngs, param_dtype=F64)
+        self.norm = nnx.BatchNorm(4, rngs=rngs, dtype=F64, param_dtype=F64)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.norm(self.dense(x)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")  # nnx.BatchNorm keeps float32 stats
+def test_flax_grad_on_a_stateful_model_equals_nnx_grad(jit):
+    model, tagged = Stateful(nnx.Rngs(0)), jt.tag_modules(Stateful(nnx.Rngs(0)), ["dense", "norm"])
+
+    def ours(m, x):
+        return jaxtrace.flax.value_and_grad(mse, has_aux=False)(m, x)
+
+    def theirs(m, x):
+        return nnx.value_and_grad(mse)(m, x)
+
+    ours, theirs = (nnx.jit(ours), nnx.jit(theirs)) if jit else (ours, theirs)
+    for _ in range(2):  # the second call sees the first one's RNG count and statistics
+        value, (grads, tag_grads) = ours(tagged, X)
+        expected_value, expected = theirs(model, X)
+        assert_trees_close(value, expected_value)
+        assert_trees_close(grads, expected)
+        assert_trees_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)))
+    assert tag_grads["dense"].shape == tag_grads["norm"].shape == (5, 4)
+    grad_and_aux = jaxtrace.flax.grad(lambda m, x: (mse(m, x), 7), has_aux=True)(tagged, X)
+    assert grad_and_aux[1] == 7 and sorted(grad_and_aux[0][1]) == ["dense", "norm"]
+    with pytest.raises(TypeError, match="take an nnx.Module"):
+        jaxtrace.flax.grad(mse)({"w": X}, X)
+
+
 # --- Linen ------------------------------------------------------------------------
 
 
@@ -385,8 +427,9 @@ def test_linen_errors():
         jt.tag_modules(LinenMLP())
 
 
-def test_flax_module_docstring_examples():
-    assert doctest.testmod(jaxtrace.flax, optionflags=doctest.ELLIPSIS).failed == 0
+@pytest.mark.parametrize("module", ["jaxtrace.flax", "jaxtrace._linen", "jaxtrace._nnx_ad"])
+def test_flax_module_docstring_examples(module):
+    assert doctest.testmod(sys.modules[module], optionflags=doctest.ELLIPSIS).failed == 0
 
 
 def test_flax_outputs_keep_structure():
