@@ -21,8 +21,8 @@ Writes ``grad_flow.png``.
 (an ``nnx.Sequential`` of ``nnx.Linear`` layers and ``nnx.tanh``, so the
 layers are ``0``, ``2``, ... ``12`` as in ``torch.nn.Sequential``) with an
 ``nnx.Optimizer``: ``jaxtrace.tag_modules`` takes the nnx model too, and the
-``nnx.jit`` step differentiates the ``nnx.Param`` state with
-``jaxtrace.value_and_grad``. Needs ``pip install flax``.
+``nnx.jit`` step takes gradients with ``jaxtrace.flax.value_and_grad``
+(``nnx.value_and_grad`` plus the gradients at the tags). Needs ``pip install flax``.
 """
 
 import argparse
@@ -82,16 +82,17 @@ def flax_model(key, width=32, depth=6):
 def make_flax_step():
     from flax import nnx
 
+    import jaxtrace.flax
+
+    def loss_of_model(model, x, y):
+        logits = model(x)  # nnx layers take the batch as it is
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, jnp.mean(jnp.argmax(logits, -1) == y)
+
     @nnx.jit
     def step(model, optimizer, x, y):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def loss_of_params(params, x, y):
-            logits = nnx.merge(graphdef, params, rest)(x)  # nnx layers take the batch as it is
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-            return loss, jnp.mean(jnp.argmax(logits, -1) == y)
-
-        (loss, acc), (grads, tag_grads) = jt.value_and_grad(loss_of_params, has_aux=True)(params, x, y)
+        # nnx.value_and_grad's result (grads of the nnx.Param state), and the gradients at the tags
+        (loss, acc), (grads, tag_grads) = jaxtrace.flax.value_and_grad(loss_of_model, has_aux=True)(model, x, y)
         optimizer.update(model, grads)  # nnx.Optimizer updates the model in place
         return loss, acc, jt.stats.summarize(tag_grads)
 
