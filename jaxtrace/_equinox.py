@@ -355,7 +355,8 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
     if nnx is not None and isinstance(model, nnx.Module):
         from ._nnx import tag_modules as nnx_tag_modules
 
-        return nnx_tag_modules(model, where, inputs=inputs)
+        # an nnx.Module: the annotations here name equinox's types, the nnx ones are in _nnx
+        return cast(Any, nnx_tag_modules(cast(Any, model), cast(Any, where), inputs=inputs))
     linen = sys.modules.get("flax.linen")
     if linen is not None and isinstance(model, linen.Module):
         raise TypeError(

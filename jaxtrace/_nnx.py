@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence, Union
+from typing import Callable, Sequence, Union
 
 import jax
 from flax import nnx
