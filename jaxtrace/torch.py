@@ -48,6 +48,7 @@ except ImportError as _error:  # pragma: no cover - exercised by a test that hid
     ) from _error
 
 import dataclasses
+import sys
 from typing import Any, Callable, Iterable, Union
 
 import equinox as eqx
@@ -629,6 +630,13 @@ def load_weights(model, module: "torch.nn.Module"):
     and dtypes come from torch. A parameter or buffer with no place to go is
     an error that names it.
 
+    ``model`` may also be a Flax NNX model (an ``nnx.Module``), matched by the
+    names ``jaxtrace.tag_modules`` gives its modules; it returns a clone with
+    the weights in Flax's layouts: ``Linear.weight`` transposed into
+    ``kernel``, a conv weight ``(out, in, *k)`` as ``kernel (*k, in, out)``,
+    ``Embedding.weight`` into ``embedding``, a norm's ``weight`` into
+    ``scale``, ``BatchNorm``'s running statistics into ``mean`` / ``var``.
+
     Example:
         >>> import torch, jax, equinox as eqx, jaxtrace.torch as jtt
         >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
@@ -639,6 +647,11 @@ def load_weights(model, module: "torch.nn.Module"):
         >>> bool((model.layers[2].weight == net[2].weight.detach().numpy()).all())
         True
     """
+    flax_nnx = sys.modules.get("flax.nnx")  # never imported here: an nnx model means Flax is loaded
+    if flax_nnx is not None and isinstance(model, flax_nnx.Module):
+        from ._torch_nnx import load_weights as load_nnx_weights
+
+        return load_nnx_weights(model, module, _to_numpy)
     plan = _plan(model, module)
     if not plan:
         return model

@@ -271,6 +271,61 @@ def test_flax_grad_on_a_stateful_model_equals_nnx_grad(jit):
         jaxtrace.flax.grad(mse)({"w": X}, X)
 
 
+class TorchNet(nnx.Module):  # an nnx port of the torch module below, with torch's names
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(5, 4, rngs=rngs, param_dtype=F64)
+        self.conv = nnx.Conv(4, 6, (3,), padding="VALID", rngs=rngs, param_dtype=F64)
+        self.norm = nnx.LayerNorm(6, epsilon=1e-5, rngs=rngs, param_dtype=F64)
+        self.bn = nnx.BatchNorm(6, use_running_average=True, epsilon=1e-5, rngs=rngs, param_dtype=F64)
+        self.blocks = nnx.List([nnx.Linear(6, 6, rngs=rngs, param_dtype=F64), nnx.Linear(6, 2, rngs=rngs, param_dtype=F64)])
+
+    def __call__(self, idx):
+        h = self.bn(self.norm(self.conv(self.emb(idx))))  # (batch, length, channels)
+        for block in self.blocks:
+            h = jnp.tanh(block(h))
+        return h
+
+
+def test_torch_load_weights_into_nnx():
+    torch = pytest.importorskip("torch")
+    import jaxtrace.torch as jtt
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 4)
+            self.conv = torch.nn.Conv1d(4, 6, 3)
+            self.norm = torch.nn.LayerNorm(6)
+            self.bn = torch.nn.BatchNorm1d(6)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 6), torch.nn.Linear(6, 2)])
+
+        def forward(self, idx):  # torch's conv and batch norm take (batch, channels, length)
+            h = self.conv(self.emb(idx).transpose(1, 2)).transpose(1, 2)
+            h = self.bn(self.norm(h).transpose(1, 2)).transpose(1, 2)
+            for block in self.blocks:
+                h = torch.tanh(block(h))
+            return h
+
+    torch.manual_seed(0)
+    net = Net().double().eval()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_()
+        net.bn.running_var.uniform_(0.5, 2.0)
+        net.norm.weight.uniform_()
+    idx = np.array([[0, 1, 2, 3, 4, 1], [4, 3, 2, 1, 0, 0]])
+    empty = TorchNet(nnx.Rngs(0))
+    model = jtt.load_weights(empty, net)
+    assert model is not empty
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(idx))), net(torch.tensor(idx)).detach().numpy(), atol=1e-12)
+    names = ["norm", "blocks.0", "blocks.1"]
+    _, torch_grads = jtt.grad(net, torch.tensor(idx), loss=lambda y: (y**2).sum(), where=names)
+    _, tag_grads = jt.grad(lambda m: jnp.sum(m(jnp.asarray(idx)) ** 2))(jt.tag_modules(model, names))
+    for name in names:
+        np.testing.assert_allclose(np.asarray(tag_grads[name]), torch_grads[name], atol=1e-12)
+    with pytest.raises(ValueError, match="no module at 'emb'"):
+        jtt.load_weights(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), net)
+
+
 # --- Linen ------------------------------------------------------------------------
 
 
