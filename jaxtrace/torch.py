@@ -1,4 +1,4 @@
-"""Side-by-side checks against PyTorch: gradients at module outputs, and weights into equinox.
+"""Side-by-side checks against PyTorch: gradients at module outputs, and weights into equinox or Flax NNX.
 
 ``jaxtrace.torch.grad(module, *args, loss=...)`` runs a ``torch.nn.Module``
 and returns ``(param_grads, module_grads)`` as NumPy arrays: the parameter
