@@ -50,6 +50,7 @@ class _LinenTags(contextlib.ContextDecorator):
         self._where = where
         self._inputs = bool(inputs)
         self._seen: list[dict] = []  # one {path: None} per active entry (they can nest)
+        self._context = None  # the interceptor, installed once however deep the nesting
 
     def _selected(self, path: str, module: nn.Module) -> bool:
         if self._where is None:
@@ -72,16 +73,17 @@ class _LinenTags(contextlib.ContextDecorator):
         return _tag_arrays(next_fun(*args, **kwargs), path)
 
     def __enter__(self):
+        if not self._seen:  # re-entered (a decorated function calling itself): one interceptor, one tag
+            self._context = nn.intercept_methods(self._intercept)
+            self._context.__enter__()
         self._seen.append({})
-        self._context = nn.intercept_methods(self._intercept)
-        self._contexts = getattr(self, "_contexts", [])
-        self._contexts.append(self._context)
-        self._context.__enter__()
         return self
 
     def __exit__(self, kind, value, traceback):
-        self._contexts.pop().__exit__(kind, value, traceback)
         seen = list(self._seen.pop())
+        if not self._seen and self._context is not None:
+            self._context.__exit__(kind, value, traceback)
+            self._context = None
         if kind is not None:
             return False
         if not seen:

@@ -461,7 +461,8 @@ def test_linen_batch_size_free_and_shared_module():
             return d(jnp.tanh(d(x)))
 
     p = Twice().init(jax.random.key(0), X)
-    with jaxtrace.flax.tag_modules(["Dense_0"]):
+    tags = jaxtrace.flax.tag_modules(["Dense_0"])
+    with tags, tags:  # re-entered: still one tag per call
         _, tag_grads = jt.grad(lambda p: jnp.sum(Twice().apply(p, X) ** 2))(p)
     assert tag_grads["Dense_0"].shape == (2, 5, 3)  # two calls, in call order
 
