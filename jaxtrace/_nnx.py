@@ -89,6 +89,12 @@ def _base_class(cls: type) -> type:
     return cls.__dict__.get("_jaxtrace_base", cls)
 
 
+def _restore(base: type, spec: _ModuleTag, fields: dict):
+    module = object.__new__(_tagged_class(base, spec))
+    module.__dict__.update(fields)
+    return module
+
+
 def _tagged_class(base: type, spec: _ModuleTag) -> type:
     """The subclass of ``base`` whose ``__call__`` tags as ``spec`` says; one per (class, spec)."""
     base = _base_class(base)
@@ -101,6 +107,9 @@ def _tagged_class(base: type, spec: _ModuleTag) -> type:
             args = _tag_inputs(args, spec.path + INPUT_SUFFIX)
         return _tag_arrays(base.__call__(self, *args, **kwargs), spec.path)
 
+    def __reduce__(self):  # pickle and copy: rebuild the subclass from its base
+        return _restore, (base, spec, dict(self.__dict__))
+
     namespace = {
         # Printed models (nnx.display, repr) look as before; the class says where it comes from.
         "__module__": __name__,
@@ -110,6 +119,7 @@ def _tagged_class(base: type, spec: _ModuleTag) -> type:
         "_jaxtrace_base": base,
         _TAG_ATTR: spec,
         "__call__": functools.wraps(base.__call__)(__call__),
+        "__reduce__": __reduce__,
     }
     cls = _SUBCLASSES[(base, spec)] = type(base)(base.__name__, (base,), namespace)
     return cls

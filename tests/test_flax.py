@@ -102,6 +102,12 @@ def test_nnx_original_untouched_and_state_interchangeable():
     # the tagged GraphDef with the untagged model's state is a tagged model
     merged = nnx.merge(graphdef, nnx.state(model))
     assert sorted(jt.grad(mse)(merged, X)[1]) == ["", "l1", "l2"]
+    # pickle and deepcopy keep the tagging classes
+    import copy
+    import pickle
+
+    for copied in (copy.deepcopy(tagged), pickle.loads(pickle.dumps(tagged))):
+        assert sorted(jt.grad(mse)(copied, X)[1]) == ["", "l1", "l2"]
     # a model whose state is changed later gets it back with nnx.update
     nnx.update(tagged, jax.tree_util.tree_map(lambda a: a + 1, nnx.state(model)))
     assert_trees_close(nnx.state(model), before)
