@@ -106,7 +106,14 @@ def test_nnx_original_untouched_and_state_interchangeable():
     import copy
     import pickle
 
-    for copied in (copy.deepcopy(tagged), pickle.loads(pickle.dumps(tagged))):
+    copies = [copy.deepcopy(tagged)]
+    try:
+        pickle.dumps(model)
+    except (AttributeError, pickle.PicklingError):
+        pass  # flax 0.12.0 keeps initializers as local functions: its modules do not pickle at all
+    else:
+        copies.append(pickle.loads(pickle.dumps(tagged)))
+    for copied in copies:
         assert sorted(jt.grad(mse)(copied, X)[1]) == ["", "l1", "l2"]
     # a model whose state is changed later gets it back with nnx.update
     nnx.update(tagged, jax.tree_util.tree_map(lambda a: a + 1, nnx.state(model)))
