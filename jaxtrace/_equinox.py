@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable, Sequence, Union, cast
 
 import equinox as eqx
@@ -365,6 +366,20 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
     classes, so attribute access and ``isinstance`` work as before. Only
     ``__call__`` is tagged, not other methods.
 
+    A Flax NNX model (an ``nnx.Module``) is handled the same way: names are
+    attribute paths joined by dots, ``nnx.List`` and list entries by index, an
+    ``nnx.Sequential``'s children by index alone (``"0"``, ``"2"``); calls
+    inside ``nnx.scan`` are stacked per step. The result is a clone (new
+    ``Variable`` objects holding the same arrays; changing one model does not
+    change the other) whose selected modules are instances of subclasses of
+    their classes, so ``nnx.state`` of both are equal trees, and states,
+    optimizer states and checkpoints are interchangeable; it works inside
+    ``nnx.jit``, ``nnx.grad``, ``nnx.scan``, ``nnx.vmap``, and with
+    ``jaxtrace.grad`` on the module itself or on ``nnx.split`` state. Flax is
+    never imported by jaxtrace for this: a Flax model means Flax is loaded.
+    For Linen see ``jaxtrace.flax.tag_modules``; an example for each is in
+    ``jaxtrace.flax``.
+
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
         >>> mlp = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
@@ -373,10 +388,23 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
         >>> {name: g.shape for name, g in tag_grads.items()}
         {'layers.0:in': (3,), 'layers.0': (8,), 'layers.1:in': (8,), 'layers.1': (8,)}
     """
+    nnx = sys.modules.get("flax.nnx")  # never imported here: a Flax model means Flax is loaded
+    if nnx is not None and isinstance(model, nnx.Module):
+        from ._nnx import tag_modules as nnx_tag_modules
+
+        # an nnx.Module: the annotations here name equinox's types, the nnx ones are in _nnx
+        return cast(Any, nnx_tag_modules(cast(Any, model), cast(Any, where), inputs=inputs))
+    linen = sys.modules.get("flax.linen")
+    if linen is not None and isinstance(model, linen.Module):
+        raise TypeError(
+            "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
+            "they are tagged while they run: `with jaxtrace.flax.tag_modules(): "
+            "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`."
+        )
     if not isinstance(model, eqx.Module):
         raise TypeError(
-            f"jaxtrace.tag_modules needs an equinox.Module, but got {type(model).__name__}. "
-            "Pass the model itself (e.g. an eqx.nn.MLP or your own eqx.Module subclass)."
+            f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
+            "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
         )
     candidates = [(p, m) for p, m in _named_modules(model) if _callable(m)]
     if where is None:

@@ -1,4 +1,4 @@
-"""Side-by-side checks against PyTorch: gradients at module outputs, and weights into equinox.
+"""Side-by-side checks against PyTorch: gradients at module outputs, and weights into equinox or Flax NNX.
 
 ``jaxtrace.torch.grad(module, *args, loss=...)`` runs a ``torch.nn.Module``
 and returns ``(param_grads, module_grads)`` as NumPy arrays: the parameter
@@ -48,6 +48,7 @@ except ImportError as _error:  # pragma: no cover - exercised by a test that hid
     ) from _error
 
 import dataclasses
+import sys
 from typing import Any, Callable, Iterable, Union
 
 import equinox as eqx
@@ -891,6 +892,13 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
     equinox cannot express (``nn.RNN``, attention with ``add_bias_kv``), is an
     error that names its path.
 
+    ``model`` may also be a Flax NNX model (an ``nnx.Module``), matched by the
+    names ``jaxtrace.tag_modules`` gives its modules; it returns a clone with
+    the weights in Flax's layouts: ``Linear.weight`` transposed into
+    ``kernel``, a conv weight ``(out, in, *k)`` as ``kernel (*k, in, out)``,
+    ``Embedding.weight`` into ``embedding``, a norm's ``weight`` into
+    ``scale``, ``BatchNorm``'s running statistics into ``mean`` / ``var``.
+
     Example:
         >>> import torch, jax, equinox as eqx, jaxtrace.torch as jtt
         >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
@@ -909,6 +917,16 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
         raise TypeError(
             f"load_weights: state= must be an eqx.nn.State (from eqx.nn.make_with_state), got {type(state).__name__}."
         )
+    flax_nnx = sys.modules.get("flax.nnx")  # never imported here: an nnx model means Flax is loaded
+    if flax_nnx is not None and isinstance(model, flax_nnx.Module):
+        if state is not None:
+            raise TypeError(
+                "load_weights: state= is for equinox models; an nnx model keeps its BatchNorm statistics "
+                "itself, so call load_weights(model, module) without state=."
+            )
+        from ._torch_nnx import load_weights as load_nnx_weights
+
+        return load_nnx_weights(model, module, _to_numpy)
     plan = _plan(model, module)
     batch_norms = _plan_state(model, module, state)
     values = {n: jnp.asarray(_to_numpy(p)) for n, p in [*module.named_parameters(), *module.named_buffers()]}

@@ -23,9 +23,19 @@ EXAMPLES = {
 
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
 def test_example_quick(script, tmp_path):
+    run_example(script, tmp_path)
+
+
+def test_train_step_flax_quick(tmp_path):
+    pytest.importorskip("flax")
+    out = run_example("train_step.py", tmp_path, "--framework", "flax")
+    assert "7 tagged layers (0 ... 12)" in out  # the nnx.Sequential's Linear layers, named as in torch
+
+
+def run_example(script, tmp_path, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "examples" / script), "--quick", "--out", str(tmp_path), *extra],
         capture_output=True,
         text=True,
         env=env,
@@ -38,6 +48,7 @@ def test_example_quick(script, tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 10_000  # a real picture, not an empty canvas
         assert f"wrote {path}" in out.stdout  # and it says where
+    return out.stdout
 
 
 def test_transformerlens_port():

@@ -1,0 +1,101 @@
+"""Flax NNX models: ``jaxtrace.flax.grad`` / ``value_and_grad``, shaped like ``nnx.grad``.
+
+``fun``'s first argument is an ``nnx.Module``; the gradient is taken with
+respect to its ``wrt`` state (``nnx.Param`` by default, as ``nnx.grad``), and
+state the call changes (RNG counts of ``nnx.Dropout``, ``nnx.BatchNorm``
+statistics) is written back into the model afterwards, as ``nnx.grad`` does.
+
+Why not plain ``jaxtrace.grad`` on ``nnx.split`` state: a model merged inside a
+traced function from state made outside it cannot update its RNG counts there
+(Flax raises ``TraceContextError``, for ``jax.grad`` as for ``jaxtrace.grad``);
+``nnx.merge(..., copy=True)`` inside the function and handing the changed
+state out is what makes it work, and these wrappers do exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from flax import nnx
+
+from ._ad import value_and_grad as _value_and_grad
+from ._sites import TagSelection, check_callable
+
+
+def value_and_grad(
+    fun: Callable, *, has_aux: bool = False, tags: TagSelection = None, wrt: Any = nnx.Param
+) -> Callable:
+    """Like ``nnx.value_and_grad`` (first argument a model), and also the gradients at the tags.
+
+    Returns ``(value, (grads, tag_grads))``, or with ``has_aux``
+    ``((value, aux), (grads, tag_grads))``: ``grads`` is the ``nnx.State`` of
+    the model's ``wrt`` variables (``nnx.Param`` by default: what
+    ``nnx.grad`` returns and ``nnx.Optimizer.update(model, grads)`` takes),
+    ``tag_grads`` the dict of ``jaxtrace.value_and_grad``. Other state that
+    ``fun`` changes in the model (RNG counts, batch statistics) is written back
+    into it. Works eagerly and inside ``nnx.jit``; ``tags`` selects tags as in
+    ``jaxtrace.value_and_grad``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax
+        >>> from flax import nnx
+        >>> class Net(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.dense = nnx.Linear(3, 2, rngs=rngs)
+        ...         self.drop = nnx.Dropout(0.5, rngs=rngs)
+        ...     def __call__(self, x):
+        ...         return self.drop(self.dense(x))
+        >>> model = jt.tag_modules(Net(nnx.Rngs(0)), ["dense"])
+        >>> loss, (grads, tag_grads) = jaxtrace.flax.value_and_grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones(3))
+        >>> sorted(grads), tag_grads["dense"].shape
+        (['dense'], (2,))
+    """
+    check_callable(fun, "jaxtrace.flax.value_and_grad")
+    aux_wanted = bool(has_aux)
+
+    def value_and_grad_fun(model, *args, **kwargs):
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                "Functions wrapped with jaxtrace.flax.grad or jaxtrace.flax.value_and_grad take an nnx.Module as "
+                f"their first argument, but got {type(model).__name__}. For a pytree of arrays use "
+                "jaxtrace.grad / jaxtrace.value_and_grad."
+            )
+        graphdef, diff, rest = nnx.split(model, wrt, ...)
+
+        def split_fun(diff, rest, *args, **kwargs):
+            inner = nnx.merge(graphdef, diff, rest, copy=True)  # Variables of this trace: they may change
+            out = fun(inner, *args, **kwargs)
+            value, aux = out if aux_wanted else (out, None)
+            return value, (aux, nnx.split(inner, wrt, ...)[2])
+
+        (value, (aux, new_rest)), grads = _value_and_grad(split_fun, 0, has_aux=True, tags=tags)(
+            diff, rest, *args, **kwargs
+        )
+        nnx.update(model, new_rest)
+        return ((value, aux) if aux_wanted else value), grads
+
+    return value_and_grad_fun
+
+
+def grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = None, wrt: Any = nnx.Param) -> Callable:
+    """Like ``nnx.grad`` (first argument a model), and also the gradients at the tags.
+
+    Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
+    see ``jaxtrace.flax.value_and_grad``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax
+        >>> from flax import nnx
+        >>> model = jt.tag_modules(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+        >>> grads, tag_grads = jaxtrace.flax.grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones(3))
+        >>> grads["kernel"].shape, tag_grads[""].tolist()
+        ((3, 2), [1.0, 1.0])
+    """
+    check_callable(fun, "jaxtrace.flax.grad")
+    value_and_grad_fun = value_and_grad(fun, has_aux=has_aux, tags=tags, wrt=wrt)
+
+    def grad_fun(model, *args, **kwargs):
+        value, grads = value_and_grad_fun(model, *args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return grad_fun

@@ -1,0 +1,67 @@
+"""``jaxtrace.torch.load_weights`` into a Flax NNX model.
+
+The NNX model is matched to the torch module by the names ``jt.tag_modules``
+gives it (PyTorch's ``named_modules()`` names: attributes, list indices, an
+``nnx.Sequential``'s children by index). Per module kind, torch's parameter
+names and layouts become Flax's: ``Linear.weight (out, in)`` is
+``kernel (in, out)``, a ``ConvNd`` weight ``(out, in, *k)`` is ``kernel (*k,
+in, out)``, ``Embedding.weight`` is ``embedding``, a norm's ``weight`` is
+``scale``, ``BatchNorm``'s ``running_mean`` / ``running_var`` are ``mean`` /
+``var``; other parameters and floating buffers go to the attribute of their
+own name when the shapes agree.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+
+from ._nnx import _named_modules
+
+
+def _layout(module: torch.nn.Module, name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
+    """The Flax attribute name and array for torch's ``module.<name>``."""
+    if isinstance(module, torch.nn.Linear) and name == "weight":
+        return "kernel", value.T
+    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and name == "weight":
+        return "kernel", np.transpose(value, (*range(2, value.ndim), 1, 0))
+    if isinstance(module, torch.nn.Embedding) and name == "weight":
+        return "embedding", value
+    norms = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm)
+    if isinstance(module, norms) and name == "weight":
+        return "scale", value
+    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and name in ("running_mean", "running_var"):
+        return {"running_mean": "mean", "running_var": "var"}[name], value
+    return name, value
+
+
+def load_weights(model: nnx.Module, module: torch.nn.Module, to_numpy) -> nnx.Module:
+    out = nnx.clone(model)
+    named = {name: m for name, _, m in _named_modules(out)}
+    floating = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+    for full, tensor in [*module.named_parameters(), *floating]:
+        path, _, name = full.rpartition(".")
+        target = named.get(path)
+        if target is None:
+            raise ValueError(
+                f"load_weights: the torch module has {full!r}, but the nnx model has no module at {path!r}. "
+                f"Its modules are: {', '.join(repr(n) for n in named)}. Build the nnx model with the same "
+                "attribute names and list indices as the torch module's named_modules() paths."
+            )
+        attr, value = _layout(module.get_submodule(path), name, to_numpy(tensor))
+        variable = getattr(target, attr, None)
+        if not isinstance(variable, nnx.Variable) or tuple(np.shape(variable[...])) != value.shape:
+            found = (
+                f"a variable of shape {tuple(np.shape(variable[...]))}"
+                if isinstance(variable, nnx.Variable)
+                else "no variable"
+            )
+            raise ValueError(
+                f"load_weights: torch's {full!r} (shape {tuple(tensor.shape)}) goes to {attr!r} of the nnx "
+                f"module at {path!r} as shape {value.shape}, but that module ({type(target).__name__}) has "
+                f"{found} there."
+            )
+        variable.value = jnp.asarray(value)
+    return out

@@ -1,0 +1,513 @@
+"""Flax models: jt.tag_modules on nnx modules and jaxtrace.flax.tag_modules for Linen.
+
+Oracles: Flax's own ``perturb`` (the gradient with respect to a zero
+perturbation added at the same place) and the hand-written ``+ eps`` program,
+in float64 (conftest turns x64 on), eager and under jit.
+"""
+
+import doctest
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxtrace as jt  # noqa: E402
+import jaxtrace.flax  # noqa: E402
+
+from conftest import assert_trees_close  # noqa: E402
+
+F64 = jnp.float64
+
+
+def _value(v):
+    return v[...] if isinstance(v, nnx.Variable) else v
+
+
+def _plain(state):  # PRNG keys as their bits, so that states compare as arrays
+    def bits(a):
+        return jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+
+    return jax.tree_util.tree_map(bits, state)
+
+
+# --- NNX ------------------------------------------------------------------------
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(3, 4, rngs=rngs, param_dtype=F64)
+        self.l2 = nnx.Linear(4, 2, rngs=rngs, param_dtype=F64)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+class PerturbedMLP(MLP):  # the oracle: the same model, edited as Flax's perturb wants
+    def __call__(self, x):
+        h = self.perturb("p_l1", self.l1(x))
+        return self.perturb("p_l2", self.l2(jnp.tanh(h)))
+
+
+def mse(model, x):
+    return jnp.sum(jnp.sin(model(x)) ** 2)
+
+
+X = jnp.linspace(-1.0, 1.0, 15, dtype=F64).reshape(5, 3)
+
+
+def test_nnx_mlp_against_perturb(maybe_jit):
+    tagged = jt.tag_modules(MLP(nnx.Rngs(0)), ["l1", "l2"])
+    grads, tag_grads = maybe_jit(jt.grad(mse))(tagged, X)
+
+    oracle = PerturbedMLP(nnx.Rngs(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # perturb outside nnx.capture (newer flax)
+        oracle(X)  # perturb's init pass: creates the zero perturbations, shaped by this batch
+        expected = nnx.grad(mse, argnums=nnx.DiffState(0, nnx.Perturbation))(oracle, X)
+    assert_trees_close(tag_grads, {"l1": _value(expected["p_l1"]), "l2": _value(expected["p_l2"])})
+    # the parameter gradients are those of the untagged model
+    assert_trees_close(nnx.state(grads, nnx.Param), nnx.state(nnx.grad(mse)(MLP(nnx.Rngs(0)), X), nnx.Param))
+
+
+def test_nnx_names_where_inputs_and_errors():
+    model = MLP(nnx.Rngs(0))
+    names = sorted(jt.grad(mse)(jt.tag_modules(model, inputs=True), X)[1])
+    assert names == ["", ":in", "l1", "l1:in", "l2", "l2:in"]
+    picked = jt.tag_modules(model, lambda path, m: isinstance(m, nnx.Linear))
+    assert sorted(jt.grad(mse)(picked, X)[1]) == ["l1", "l2"]
+    with pytest.raises(ValueError, match=r"no callable submodule at 'l3'.*'l1', 'l2'"):
+        jt.tag_modules(model, ["l1", "l3"])
+    seq = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+    assert sorted(jt.grad(lambda m: jnp.sum(m(jnp.ones(2))))(jt.tag_modules(seq))[1]) == ["", "0", "2"]
+
+
+def test_nnx_original_untouched_and_state_interchangeable():
+    model = MLP(nnx.Rngs(0))
+    before = nnx.state(model)
+    tagged = jt.tag_modules(model)
+    assert type(model.l1) is nnx.Linear and isinstance(tagged.l1, nnx.Linear) and type(tagged.l1) is not nnx.Linear
+    graphdef, state = nnx.split(tagged)
+    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(before)
+    assert_trees_close(state, before)
+    # the tagged GraphDef with the untagged model's state is a tagged model
+    merged = nnx.merge(graphdef, nnx.state(model))
+    assert sorted(jt.grad(mse)(merged, X)[1]) == ["", "l1", "l2"]
+    # pickle and deepcopy keep the tagging classes
+    import copy
+    import pickle
+
+    copies = [copy.deepcopy(tagged)]
+    try:
+        pickle.dumps(model)
+    except (AttributeError, pickle.PicklingError):
+        pass  # flax 0.12.0 keeps initializers as local functions: its modules do not pickle at all
+    else:
+        copies.append(pickle.loads(pickle.dumps(tagged)))
+    for copied in copies:
+        assert sorted(jt.grad(mse)(copied, X)[1]) == ["", "l1", "l2"]
+    # a model whose state is changed later gets it back with nnx.update
+    nnx.update(tagged, jax.tree_util.tree_map(lambda a: a + 1, nnx.state(model)))
+    assert_trees_close(nnx.state(model), before)
+
+
+def test_nnx_optimizer_step_equals_untagged():
+    optax = pytest.importorskip("optax")
+    model, tagged = MLP(nnx.Rngs(0)), jt.tag_modules(MLP(nnx.Rngs(0)))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    opt_tagged = nnx.Optimizer(tagged, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x):
+        opt.update(model, nnx.grad(mse)(model, x))
+
+    @nnx.jit
+    def step_tagged(model, opt, x):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        grads, tag_grads = jt.grad(lambda p: mse(nnx.merge(graphdef, p, rest), x))(params)
+        opt.update(model, grads)
+        return jt.stats.summarize(tag_grads)
+
+    for _ in range(2):
+        step(model, opt, X)
+        stats = step_tagged(tagged, opt_tagged, X)
+    assert sorted(stats) == ["", "l1", "l2"]
+    assert_trees_close(nnx.state(tagged), nnx.state(model))
+    assert_trees_close(nnx.state(opt_tagged), nnx.state(opt))
+
+
+class Shared(nnx.Module):  # one module called twice: the calls are stacked in call order
+    def __init__(self, rngs):
+        self.cell = nnx.Linear(3, 3, rngs=rngs, param_dtype=F64)
+
+    def __call__(self, x):
+        return self.cell(jnp.tanh(self.cell(x)))
+
+
+def test_nnx_repeated_calls_stack_against_eps(maybe_jit):
+    model = Shared(nnx.Rngs(0))
+    _, tag_grads = maybe_jit(jt.grad(mse))(jt.tag_modules(model, "cell"), X)
+    w, b = model.cell.kernel[...], model.cell.bias[...]
+
+    def oracle(eps, x):
+        h = x @ w + b + eps[0]
+        return jnp.sum(jnp.sin(jnp.tanh(h) @ w + b + eps[1]) ** 2)
+
+    assert_trees_close(tag_grads["cell"], jax.grad(oracle)(jnp.zeros((2, 5, 3), F64), X))
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 3, rngs=rngs, param_dtype=F64)
+
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x))
+
+
+class Stack(nnx.Module):  # a scanned layer stack, as the Flax docs build one
+    def __init__(self, rngs, depth=4):
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return Block(rngs)
+
+        self.blocks = create(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return body(x, self.blocks)
+
+
+def test_nnx_scanned_stack_per_layer_against_eps(maybe_jit):
+    model = Stack(nnx.Rngs(0))
+    _, tag_grads = maybe_jit(jt.grad(mse))(jt.tag_modules(model, ["blocks", "blocks.lin"]), X)
+    w, b = model.blocks.lin.kernel[...], model.blocks.lin.bias[...]
+
+    def oracle(eps, x):
+        def body(x, layer):
+            w, b, e_lin, e_out = layer
+            return jnp.tanh(x @ w + b + e_lin) + e_out, None
+
+        return jnp.sum(jnp.sin(jax.lax.scan(body, x, (w, b, eps[0], eps[1]))[0]) ** 2)
+
+    expected = jax.grad(oracle)(jnp.zeros((2, 4, 5, 3), F64), X)
+    assert tag_grads["blocks"].shape == (4, 5, 3)  # one entry per layer
+    assert_trees_close(tag_grads["blocks.lin"], expected[0])
+    assert_trees_close(tag_grads["blocks"], expected[1])
+
+
+def test_nnx_compositions():
+    model = MLP(nnx.Rngs(0))
+    tagged = jt.tag_modules(model, "l1")
+    _, expected = jt.grad(mse)(tagged, X)
+    # jax.vmap around: per example
+    per_example = jax.vmap(lambda x: jt.grad(mse)(tagged, x)[1]["l1"])(X)
+    assert_trees_close(per_example, expected["l1"])
+    # nnx.vmap around, the model broadcast
+    per_example = nnx.vmap(lambda m, x: jt.grad(mse)(m, x)[1]["l1"], in_axes=(None, 0))(tagged, X)
+    assert_trees_close(per_example, expected["l1"])
+    # nnx.grad / nnx.value_and_grad of the tagged model are the untagged model's
+    assert_trees_close(nnx.state(nnx.grad(mse)(tagged, X)), nnx.state(nnx.grad(mse)(model, X)))
+    value, _ = nnx.value_and_grad(mse)(tagged, X)
+    assert_trees_close(value, mse(model, X))
+
+    # jt.grad inside jax.grad: the x-derivative of a function of the tag's gradient, against + eps
+    def through_tag(x):
+        return jnp.sum(jt.grad(mse)(tagged, x)[1]["l1"] ** 2)
+
+    w1, b1 = model.l1.kernel[...], model.l1.bias[...]
+    w2, b2 = model.l2.kernel[...], model.l2.bias[...]
+
+    def eps_loss(eps, x):
+        return jnp.sum(jnp.sin(jnp.tanh(x @ w1 + b1 + eps) @ w2 + b2) ** 2)
+
+    oracle = lambda x: jnp.sum(jax.grad(eps_loss)(jnp.zeros((5, 4), F64), x) ** 2)  # noqa: E731
+    assert_trees_close(jax.grad(through_tag)(X), jax.grad(oracle)(X))
+
+
+def test_nnx_import_is_lazy():
+    code = textwrap.dedent(
+        """
+        import sys, equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
+        jt.tag_modules(eqx.nn.Linear(2, 2, key=jax.random.key(0)))
+        assert "flax" not in sys.modules, "jaxtrace imported flax"
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+class Stateful(nnx.Module):  # RNG counts and batch statistics change on every call
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(3, 4, rngs=rngs, param_dtype=F64)
+        self.norm = nnx.BatchNorm(4, rngs=rngs, dtype=F64, param_dtype=F64)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.norm(self.dense(x)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")  # nnx.BatchNorm keeps float32 stats
+def test_flax_grad_on_a_stateful_model_equals_nnx_grad(jit):
+    model, tagged = Stateful(nnx.Rngs(0)), jt.tag_modules(Stateful(nnx.Rngs(0)), ["dense", "norm"])
+
+    def ours(m, x):
+        return jaxtrace.flax.value_and_grad(mse, has_aux=False)(m, x)
+
+    def theirs(m, x):
+        return nnx.value_and_grad(mse)(m, x)
+
+    ours, theirs = (nnx.jit(ours), nnx.jit(theirs)) if jit else (ours, theirs)
+    for _ in range(2):  # the second call sees the first one's RNG count and statistics
+        value, (grads, tag_grads) = ours(tagged, X)
+        expected_value, expected = theirs(model, X)
+        assert_trees_close(value, expected_value)
+        assert_trees_close(grads, expected)
+        assert_trees_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)))
+    assert tag_grads["dense"].shape == tag_grads["norm"].shape == (5, 4)
+    grad_and_aux = jaxtrace.flax.grad(lambda m, x: (mse(m, x), 7), has_aux=True)(tagged, X)
+    assert grad_and_aux[1] == 7 and sorted(grad_and_aux[0][1]) == ["dense", "norm"]
+    with pytest.raises(TypeError, match="take an nnx.Module"):
+        jaxtrace.flax.grad(mse)({"w": X}, X)
+
+
+class TorchNet(nnx.Module):  # an nnx port of the torch module below, with torch's names
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(5, 4, rngs=rngs, param_dtype=F64)
+        self.conv = nnx.Conv(4, 6, (3,), padding="VALID", rngs=rngs, param_dtype=F64)
+        self.norm = nnx.LayerNorm(6, epsilon=1e-5, rngs=rngs, param_dtype=F64)
+        self.bn = nnx.BatchNorm(6, use_running_average=True, epsilon=1e-5, rngs=rngs, param_dtype=F64)
+        self.blocks = nnx.List([nnx.Linear(6, 6, rngs=rngs, param_dtype=F64), nnx.Linear(6, 2, rngs=rngs, param_dtype=F64)])
+
+    def __call__(self, idx):
+        h = self.bn(self.norm(self.conv(self.emb(idx))))  # (batch, length, channels)
+        for block in self.blocks:
+            h = jnp.tanh(block(h))
+        return h
+
+
+def test_torch_load_weights_into_nnx():
+    torch = pytest.importorskip("torch")
+    import jaxtrace.torch as jtt
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 4)
+            self.conv = torch.nn.Conv1d(4, 6, 3)
+            self.norm = torch.nn.LayerNorm(6)
+            self.bn = torch.nn.BatchNorm1d(6)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 6), torch.nn.Linear(6, 2)])
+
+        def forward(self, idx):  # torch's conv and batch norm take (batch, channels, length)
+            h = self.conv(self.emb(idx).transpose(1, 2)).transpose(1, 2)
+            h = self.bn(self.norm(h).transpose(1, 2)).transpose(1, 2)
+            for block in self.blocks:
+                h = torch.tanh(block(h))
+            return h
+
+    torch.manual_seed(0)
+    net = Net().double().eval()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_()
+        net.bn.running_var.uniform_(0.5, 2.0)
+        net.norm.weight.uniform_()
+    idx = np.array([[0, 1, 2, 3, 4, 1], [4, 3, 2, 1, 0, 0]])
+    empty = TorchNet(nnx.Rngs(0))
+    model = jtt.load_weights(empty, net)
+    assert model is not empty
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(idx))), net(torch.tensor(idx)).detach().numpy(), atol=1e-12)
+    names = ["norm", "blocks.0", "blocks.1"]
+    _, torch_grads = jtt.grad(net, torch.tensor(idx), loss=lambda y: (y**2).sum(), where=names)
+    _, tag_grads = jt.grad(lambda m: jnp.sum(m(jnp.asarray(idx)) ** 2))(jt.tag_modules(model, names))
+    for name in names:
+        np.testing.assert_allclose(np.asarray(tag_grads[name]), torch_grads[name], atol=1e-12)
+    with pytest.raises(ValueError, match="no module at 'emb'"):
+        jtt.load_weights(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), net)
+
+
+# --- Linen ------------------------------------------------------------------------
+
+
+class LinenMLP(nn.Module):
+    perturbed: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, param_dtype=F64, name="hidden")(x)
+        if self.perturbed:
+            h = self.perturb("p_hidden", h)
+        y = nn.Dense(2, param_dtype=F64, name="out")(jnp.tanh(h))
+        return self.perturb("p_out", y) if self.perturbed else y
+
+
+def test_linen_mlp_against_perturb(maybe_jit):
+    model, oracle = LinenMLP(), LinenMLP(perturbed=True)
+    variables = oracle.init(jax.random.key(0), X)  # params and the perturbations, sized to X
+    params = {"params": variables["params"]}
+
+    def loss(params, x):
+        return jnp.sum(jnp.sin(model.apply(params, x)) ** 2)
+
+    with jaxtrace.flax.tag_modules(["hidden", "out"]):
+        grads, tag_grads = maybe_jit(jt.grad(loss))(params, X)
+
+    def oracle_loss(variables, x):
+        return jnp.sum(jnp.sin(oracle.apply(variables, x)) ** 2)
+
+    expected = jax.grad(oracle_loss)(variables, X)
+    assert_trees_close(tag_grads, {"hidden": expected["perturbations"]["p_hidden"], "out": expected["perturbations"]["p_out"]})
+    assert_trees_close(grads, {"params": expected["params"]})
+
+
+class Cell(nn.Module):
+    perturbed: bool = False
+
+    @nn.compact
+    def __call__(self, h, x):
+        a = nn.Dense(3, param_dtype=F64, name="ih")(x)
+        if self.perturbed:
+            a = self.perturb("p_ih", a)
+        h = jnp.tanh(a + nn.Dense(3, use_bias=False, param_dtype=F64, name="hh")(h))
+        return h, h
+
+
+class RNN(nn.Module):
+    perturbed: bool = False
+
+    @nn.compact
+    def __call__(self, xs):
+        # perturb needs the 'perturbations' entry in variable_axes (without it: a silent no-op)
+        axes = {"perturbations": 0} if self.perturbed else {}
+        scan = nn.scan(Cell, variable_broadcast="params", variable_axes=axes, split_rngs={"params": False},
+                       in_axes=0, out_axes=0)
+        h, hs = scan(self.perturbed, name="cell")(jnp.zeros(xs.shape[1:-1] + (3,), F64), xs)
+        return nn.Dense(1, param_dtype=F64)(h) + jnp.sum(hs)
+
+
+def test_linen_scan_rnn_per_step_against_perturb(maybe_jit):
+    xs = jnp.sin(jnp.arange(12, dtype=F64)).reshape(6, 2)  # 6 steps
+    model, oracle = RNN(), RNN(perturbed=True)
+    variables = oracle.init(jax.random.key(0), xs)
+
+    def loss(params, xs):
+        return jnp.sum(model.apply(params, xs) ** 2)
+
+    with jaxtrace.flax.tag_modules():
+        _, tag_grads = maybe_jit(jt.grad(loss))({"params": variables["params"]}, xs)
+    expected = jax.grad(lambda v: jnp.sum(oracle.apply(v, xs) ** 2))(variables)
+    assert tag_grads["cell/ih"].shape == (6, 3)  # per step
+    assert_trees_close(tag_grads["cell/ih"], expected["perturbations"]["cell"]["p_ih"])
+    assert sorted(tag_grads) == ["", "Dense_0", "cell", "cell/hh", "cell/ih"]
+    assert tag_grads["cell"][0].shape == tag_grads["cell"][1].shape == (6, 3)  # (carry, y) per step
+
+    # a silent no-op: perturb in nn.scan without the 'perturbations' variable_axes entry
+    class Forgot(RNN):
+        @nn.compact
+        def __call__(self, xs):
+            scan = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False}, in_axes=0, out_axes=0)
+            return jnp.sum(scan(True, name="cell")(jnp.zeros(3, F64), xs)[1])
+
+    assert "perturbations" not in Forgot().init(jax.random.key(0), xs)
+
+
+class Scale(nn.Module):
+    perturbed: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(3, param_dtype=F64, name="dense")(x)
+        return self.perturb("p_dense", h) if self.perturbed else h
+
+
+def test_linen_vmap_remat_jit_per_example_against_perturb(maybe_jit):
+    def make(perturbed):
+        axes = {"params": None, "perturbations": 0} if perturbed else {"params": None}
+        inner = nn.remat(nn.jit(Scale))
+        return nn.vmap(inner, variable_axes=axes, split_rngs={"params": False}, in_axes=0, out_axes=0)
+
+    class Model(nn.Module):
+        perturbed: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            return make(self.perturbed)(self.perturbed, name="per_example")(x)
+
+    oracle = Model(perturbed=True)
+    variables = oracle.init(jax.random.key(0), X)
+    params = {"params": variables["params"]}
+
+    def loss(params, x):
+        return jnp.sum(jnp.sin(Model().apply(params, x)) ** 2)
+
+    with jaxtrace.flax.tag_modules(["per_example/dense"]):
+        _, tag_grads = maybe_jit(jt.grad(loss))(params, X)
+    expected = jax.grad(lambda v: jnp.sum(jnp.sin(oracle.apply(v, X)) ** 2))(variables)
+    assert_trees_close(tag_grads["per_example/dense"], expected["perturbations"]["per_example"]["p_dense"])
+
+
+def test_linen_batch_size_free_and_shared_module():
+    # perturb's variables are shaped by the init batch; the tags follow whatever batch comes
+    params = LinenMLP().init(jax.random.key(0), X)
+    with jaxtrace.flax.tag_modules("hidden", inputs=True):
+        for n in (1, 7):
+            _, tag_grads = jt.grad(lambda p, x: jnp.sum(LinenMLP().apply(p, x)))(params, jnp.ones((n, 3), F64))
+            assert tag_grads["hidden"].shape == (n, 4) and tag_grads["hidden:in"].shape == (n, 3)
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            d = nn.Dense(3, param_dtype=F64)
+            return d(jnp.tanh(d(x)))
+
+    p = Twice().init(jax.random.key(0), X)
+    tags = jaxtrace.flax.tag_modules(["Dense_0"])
+    with tags, tags:  # re-entered: still one tag per call
+        _, tag_grads = jt.grad(lambda p: jnp.sum(Twice().apply(p, X) ** 2))(p)
+    assert tag_grads["Dense_0"].shape == (2, 5, 3)  # two calls, in call order
+
+
+def test_linen_errors():
+    params = LinenMLP().init(jax.random.key(0), X)
+    with pytest.raises(ValueError, match=r"no module at 'nope' was called.*'hidden'"):
+        with jaxtrace.flax.tag_modules(["nope"]):
+            LinenMLP().apply(params, X)
+    applied = jax.jit(LinenMLP().apply)
+    applied(params, X)  # traced before the block: its trace has no tags
+    with pytest.raises(ValueError, match="no Linen module was called"):
+        with jaxtrace.flax.tag_modules():
+            applied(params, X)
+    with pytest.raises(TypeError, match="not a model"):
+        jaxtrace.flax.tag_modules(LinenMLP())
+    with pytest.raises(TypeError, match="Linen module"):
+        jt.tag_modules(LinenMLP())
+
+
+@pytest.mark.parametrize("module", ["jaxtrace.flax", "jaxtrace._linen", "jaxtrace._nnx_ad"])
+def test_flax_module_docstring_examples(module):
+    assert doctest.testmod(sys.modules[module], optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_flax_outputs_keep_structure():
+    class Pair(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return {"y": nn.Dense(2, param_dtype=F64)(x), "n": jnp.arange(3)}
+
+    p = Pair().init(jax.random.key(0), X)
+    with jaxtrace.flax.tag_modules([""]):
+        _, tag_grads = jt.grad(lambda p: jnp.sum(Pair().apply(p, X)["y"]))(p)
+    np.testing.assert_array_equal(tag_grads[""]["y"], np.ones((5, 2)))
