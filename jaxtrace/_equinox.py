@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Callable, Sequence, Union, cast
+from typing import Any, Callable, cast
 
 import equinox as eqx
 import jax
@@ -28,8 +28,8 @@ import jax.tree_util as jtu
 from ._ad import value_and_grad
 from ._sites import TagSelection, check_callable, check_tags
 from ._tag import tag
+from ._where import Where, choose
 
-Where = Union[None, str, Sequence[str], type, tuple, Callable[[str, eqx.Module], bool]]
 
 INPUT_SUFFIX = ":in"
 
@@ -406,25 +406,6 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
             f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
             "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
         )
-    candidates = [(p, m) for p, m in _named_modules(model) if _callable(m)]
-    if where is None:
-        chosen = [p for p, _ in candidates]
-    elif isinstance(where, type) or (isinstance(where, tuple) and where and all(isinstance(w, type) for w in where)):
-        classes = cast(Union[type, tuple], where)
-        chosen = [p for p, m in candidates if isinstance(m, classes)]
-    elif callable(where):
-        chosen = [p for p, m in candidates if where(p, m)]
-    else:
-        wanted = [where] if isinstance(where, str) else list(where)
-        known = dict(candidates)
-        unknown = [p for p in wanted if p not in known]
-        if unknown:
-            listing = ", ".join(repr(p) for p in known)
-            raise ValueError(
-                f"jaxtrace.tag_modules: no callable submodule at {', '.join(repr(p) for p in unknown)}. "
-                f"The model's callable modules are: {listing}. Paths are dotted as in PyTorch's "
-                'named_modules() ("layers.0"); the root is "".'
-            )
-        chosen = wanted
+    chosen = choose([(p, m) for p, m in _named_modules(model) if _callable(m)], where)
     specs = {p: _ModuleTag(p, bool(inputs)) for p in chosen}
     return _rebuild(model, "", specs)

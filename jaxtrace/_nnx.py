@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence, Union
 
 import jax
 from flax import nnx
 from flax.nnx import graph as _graph
 
 from ._tag import tag
+from ._where import Where, choose
 
-Where = Union[None, str, Sequence[str], Callable[[str, nnx.Module], bool]]
 
 INPUT_SUFFIX = ":in"
 
@@ -158,26 +157,11 @@ def _named_modules(model: nnx.Module) -> list:
 def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False) -> nnx.Module:
     """The Flax NNX case of ``jaxtrace.tag_modules``; see its docstring."""
     named = [(name, path, m) for name, path, m in _named_modules(model) if _callable(m)]
-    if where is None:
-        chosen = [name for name, _, _ in named]
-    elif callable(where):
-        chosen = [name for name, _, m in named if where(name, m)]
-    else:
-        wanted = [where] if isinstance(where, str) else list(where)
-        known = [name for name, _, _ in named]
-        unknown = [p for p in wanted if p not in known]
-        if unknown:
-            raise ValueError(
-                f"jaxtrace.tag_modules: no callable submodule at {', '.join(repr(p) for p in unknown)}. "
-                f"The model's callable modules are: {', '.join(repr(p) for p in known)}. Paths are "
-                "attribute names and list indices joined by dots (\"layers.0\"), as PyTorch's "
-                "named_modules() names them; an nnx.Sequential's children are \"0\", \"1\", ...; the root is \"\"."
-            )
-        chosen = wanted
+    chosen = choose([(name, m) for name, _, m in named], where)
     paths = {name: path for name, path, _ in named}
     tagged = nnx.clone(model)
     nodes = dict(nnx.iter_graph(tagged))
-    for name in dict.fromkeys(chosen):
+    for name in chosen:
         module = nodes[paths[name]]
         module.__class__ = _tagged_class(type(module), _ModuleTag(name, bool(inputs)))
     return tagged

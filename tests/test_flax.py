@@ -85,6 +85,8 @@ def test_nnx_names_where_inputs_and_errors():
     assert names == ["", ":in", "l1", "l1:in", "l2", "l2:in"]
     picked = jt.tag_modules(model, lambda path, m: isinstance(m, nnx.Linear))
     assert sorted(jt.grad(mse)(picked, X)[1]) == ["l1", "l2"]
+    by_class = jt.tag_modules(model, nnx.Linear)  # a class selects its instances, as for equinox
+    assert sorted(jt.grad(mse)(by_class, X)[1]) == ["l1", "l2"]
     with pytest.raises(ValueError, match=r"no callable submodule at 'l3'.*'l1', 'l2'"):
         jt.tag_modules(model, ["l1", "l3"])
     seq = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.tanh, nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
