@@ -28,6 +28,7 @@ import jax.tree_util as jtu
 from ._ad import value_and_grad
 from ._sites import TagSelection, check_callable, check_tags
 from ._tag import tag
+from ._module_calls import tag_inputs
 from ._where import Where, choose
 
 
@@ -210,16 +211,7 @@ def _tag_output(out, name: str):
 
 
 def _tag_inputs(args: tuple, name: str) -> tuple:
-    where = [i for i, a in enumerate(args) if not _is_state(a)]
-    if not where:
-        return args
-    chosen = tuple(args[i] for i in where)
-    tagged = _tag_arrays(chosen[0] if len(chosen) == 1 else chosen, name)
-    tagged = (tagged,) if len(chosen) == 1 else tagged
-    out = list(args)
-    for i, value in zip(where, tagged):
-        out[i] = value
-    return tuple(out)
+    return tag_inputs(args, name, skip=_is_state, tag_arrays=_tag_arrays)
 
 
 _TAG_FIELD = "_jaxtrace_tag"

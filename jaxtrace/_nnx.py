@@ -25,6 +25,7 @@ from flax import nnx
 from flax.nnx import graph as _graph
 
 from ._tag import tag
+from ._module_calls import tag_inputs
 from ._where import Where, choose
 
 
@@ -68,16 +69,7 @@ def _tag_arrays(value, name: str):
 
 
 def _tag_inputs(args: tuple, name: str) -> tuple:
-    where = [i for i, a in enumerate(args) if not _is_graph_node(a)]
-    if not where:
-        return args
-    chosen = tuple(args[i] for i in where)
-    tagged = _tag_arrays(chosen[0] if len(chosen) == 1 else chosen, name)
-    tagged = (tagged,) if len(chosen) == 1 else tagged
-    out = list(args)
-    for i, value in zip(where, tagged):
-        out[i] = value
-    return tuple(out)
+    return tag_inputs(args, name, skip=_is_graph_node, tag_arrays=_tag_arrays)
 
 
 _TAG_ATTR = "_jaxtrace_tag"
