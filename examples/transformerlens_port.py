@@ -32,6 +32,7 @@ import argparse
 import importlib.util
 import sys
 import time
+import warnings
 
 INSTALL = (
     "This example needs TransformerLens 3.x and PyTorch (a CPU build is enough), on Python 3.11 for instance:\n"
@@ -237,7 +238,11 @@ def main(argv=None) -> int:
             p.add_(0.1 * torch.randn_like(p))
 
     # The port: weights by path (TransformerLens's names are the port's fields), hook points tagged.
-    model = jtt.load_weights(eqx.filter_eval_shape(build, cfg), tl_model)
+    # TransformerLens's attention keeps a constant buffer (IGNORE, the -inf fill value) that the
+    # port writes inline, so load_weights's note that it did not copy it is expected here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"load_weights did not copy the torch buffer\(s\) '[^ ]*IGNORE")
+        model = jtt.load_weights(eqx.filter_eval_shape(build, cfg), tl_model)
     model = jt.tag_modules(model, jt.HookPoint)
     tokens_t = torch.randint(0, cfg.d_vocab, (3, cfg.n_ctx))
     tokens = jnp.asarray(tokens_t.numpy())

@@ -49,6 +49,7 @@ except ImportError as _error:  # pragma: no cover - exercised by a test that hid
 
 import dataclasses
 import sys
+import warnings
 from typing import Any, Callable, Iterable, Union
 
 import equinox as eqx
@@ -505,12 +506,13 @@ def _full(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
+def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -> list[_Assign]:
     """How each array of ``model`` is made from ``module``'s parameters.
 
     With ``grads=True``, ``model`` is a gradient tree: arrays that are ``None``
     there (no gradient) are skipped instead of being an error. BatchNorm running
     statistics bound for an ``eqx.nn.State`` are planned by ``_plan_state``.
+    Persistent floating buffers with no field of their name are appended to ``unplaced``.
     """
     plan: list[_Assign] = []
     seen: set = set()
@@ -530,6 +532,8 @@ def _plan(model, module, *, grads: bool = False) -> list[_Assign]:
         # Floating buffers (BatchNorm running statistics) go into fields of their name where the
         # equinox module has one (eqx.nn.BatchNorm keeps them in its State instead: _plan_state).
         direct += [(n, b) for n, b in buffers if hasattr(target, n)]
+        if unplaced is not None and not isinstance(target, eqx.nn.BatchNorm):  # its statistics: _plan_state
+            unplaced += [_full(path, n) for n, b in buffers if not hasattr(target, n)]
         seen.update(id(b) for _, b in buffers)
         if not direct:
             continue
@@ -885,7 +889,8 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
     Parameters of your own modules copy by attribute name when the shapes
     agree, and so do floating persistent buffers where the equinox module has
     a field of the buffer's name (integer buffers such as
-    ``num_batches_tracked`` are not copied). ``model`` (and ``state``) may be
+    ``num_batches_tracked`` are not copied; a persistent floating buffer with
+    no such field is not copied either, with a warning that names it). ``model`` (and ``state``) may be
     abstract (``eqx.filter_eval_shape`` of its constructor: arrays as
     ``jax.ShapeDtypeStruct``), so a large port skips its random init. Values
     and dtypes come from torch. A parameter with no place to go, or a layer
@@ -927,7 +932,15 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
         from ._torch_nnx import load_weights as load_nnx_weights
 
         return load_nnx_weights(model, module, _to_numpy)
-    plan = _plan(model, module)
+    unplaced: list = []
+    plan = _plan(model, module, unplaced=unplaced)
+    if unplaced:
+        warnings.warn(
+            f"load_weights did not copy the torch buffer(s) {', '.join(map(repr, unplaced))}: the equinox "
+            "modules there have no field of that name. Buffers that hold constants (masks, fill values) are "
+            "usually rebuilt by the port and can be left; give the module a field of the buffer's name to copy one.",
+            stacklevel=2,
+        )
     batch_norms = _plan_state(model, module, state)
     values = {n: jnp.asarray(_to_numpy(p)) for n, p in [*module.named_parameters(), *module.named_buffers()]}
     if plan:

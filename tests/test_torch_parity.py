@@ -9,6 +9,7 @@ float32 to ``RTOL32``.
 """
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -849,6 +850,36 @@ def test_load_weights_copies_buffers_and_fills_an_abstract_model():
         np.testing.assert_array_equal(model.bn.running_var, net.bn.running_var.numpy())
         np.testing.assert_array_equal(model.fc.weight, net.fc.weight.detach().numpy())
         assert all(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(model))
+
+
+def test_load_weights_warns_about_buffers_it_cannot_place():
+    class WithMask(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.register_buffer("scale", torch.tensor(3.0))  # persistent, no field of its name
+            self.register_buffer("cache", torch.zeros(2), persistent=False)  # not state: never copied
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    class Port(eqx.Module):
+        fc: eqx.nn.Linear
+
+    target = Port(eqx.nn.Linear(2, 2, key=_keys(1)[0]))
+    with pytest.warns(UserWarning, match=r"did not copy the torch buffer\(s\) 'scale'"):
+        model = jtt.load_weights(target, WithMask())
+    assert isinstance(model, Port)
+
+    class PortWithScale(eqx.Module):  # a field of the buffer's name: copied, no warning
+        fc: eqx.nn.Linear
+        scale: jax.Array
+
+    net = WithMask()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = jtt.load_weights(PortWithScale(eqx.nn.Linear(2, 2, key=_keys(1)[0]), jnp.zeros(())), net)
+    assert float(model.scale) == 3.0
 
 
 # --- load_weights: each layer mapping, forward and backward -----------------------------------
