@@ -36,7 +36,7 @@ import os
 import platform
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # PyTorch's OpenMP threads spin after each op by default, taking cores from XLA.
@@ -108,6 +108,23 @@ def timed(fn: Callable, repeats: int) -> Callable[[], dict]:
         for _ in range(repeats):
             fn()
         return {"step": (time.perf_counter() - t) / repeats, "step_cpu": (time.process_time() - c) / repeats}
+
+    return run
+
+
+def trace_and_compile(lower: Callable[[], Any]) -> Callable[[], dict]:
+    """A sample of ``lower()`` (trace and lower to StableHLO, on a fresh function each round so
+    that nothing is cached) and of compiling its result: wall and CPU seconds of each and both."""
+
+    def run():
+        gc.collect()
+        t0, c0 = time.perf_counter(), time.process_time()
+        lowered = lower()
+        t1, c1 = time.perf_counter(), time.process_time()
+        lowered.compile()
+        t2, c2 = time.perf_counter(), time.process_time()
+        return {"trace": t1 - t0, "compile": t2 - t1, "total": t2 - t0,
+                "trace_cpu": c1 - c0, "compile_cpu": c2 - c1, "total_cpu": c2 - c0}
 
     return run
 
@@ -243,20 +260,8 @@ def bench_model(model: M.Model, args) -> dict:
                                         "step_ratio": median_ratio(samples, name, "step")}
 
     # Trace + compile time, fresh function objects every round.
-    def trace_compile(name):
-        def run():
-            fun = jax.jit(builders[name]())
-            t0, c0 = time.perf_counter(), time.process_time()
-            lowered = fun.lower(params, x)
-            t1, c1 = time.perf_counter(), time.process_time()
-            lowered.compile()
-            t2, c2 = time.perf_counter(), time.process_time()
-            return {"trace": t1 - t0, "compile": t2 - t1, "total": t2 - t0,
-                    "trace_cpu": c1 - c0, "compile_cpu": c2 - c1, "total_cpu": c2 - c0}
-
-        return run
-
-    samples = interleave({n: trace_compile(n) for n in builders}, args.compile_rounds, seed=1)
+    samples = interleave({n: trace_and_compile(lambda n=n: jax.jit(builders[n]()).lower(params, x))
+                          for n in builders}, args.compile_rounds, seed=1)
     for name in builders:
         v = result["variants"][name]
         for fig in ("trace", "compile", "total", "trace_cpu", "compile_cpu", "total_cpu"):
@@ -438,22 +443,9 @@ def bench_compile_sweep(ns, rounds, width=64, batch=8) -> dict:
                   ALL: lambda: jt.value_and_grad(chain_layers(n, jt.tag)),
                   ONE: lambda: jt.value_and_grad(chain_layers(n, jt.tag), tags="l0")}
 
-        def trace_compile(make):
-            def run():
-                fun = jax.jit(make())  # a fresh function: nothing cached from an earlier round
-                gc.collect()
-                t0, c0 = time.perf_counter(), time.process_time()
-                lowered = fun.lower(ws, h)
-                t1, c1 = time.perf_counter(), time.process_time()
-                lowered.compile()
-                t2, c2 = time.perf_counter(), time.process_time()
-                return {"trace": t1 - t0, "compile": t2 - t1, "total": t2 - t0,
-                        "trace_cpu": c1 - c0, "compile_cpu": c2 - c1, "total_cpu": c2 - c0}
-
-            return run
-
         r = rounds if n <= 2000 else 1  # 5,000 tags: minutes per compile
-        samples = interleave({name: trace_compile(make) for name, make in makers.items()}, r, seed=n)
+        samples = interleave({name: trace_and_compile(lambda make=make: jax.jit(make()).lower(ws, h))
+                              for name, make in makers.items()}, r, seed=n)
         for name in makers:
             v = out["variants"].setdefault(name, {})
             for fig in ("trace", "compile", "total", "total_cpu"):
@@ -529,19 +521,8 @@ def bench_large(args) -> dict:
         v["step_ratio"] = median_ratio(samples, name, "step")
         v["temp_ratio"] = v["temp_bytes"] / max(result["variants"][BASE]["temp_bytes"], 1)
 
-    def trace_compile(name):
-        def run():
-            gc.collect()
-            t0, c0 = time.perf_counter(), time.process_time()
-            lowered = lower(name)
-            t1 = time.perf_counter()
-            lowered.compile()
-            t2, c2 = time.perf_counter(), time.process_time()
-            return {"trace": t1 - t0, "total": t2 - t0, "total_cpu": c2 - c0}
-
-        return run
-
-    samples = interleave({n: trace_compile(n) for n in builders}, 1 if args.quick else args.compile_rounds, seed=2)
+    samples = interleave({n: trace_and_compile(lambda n=n: lower(n)) for n in builders},
+                         1 if args.quick else args.compile_rounds, seed=2)
     for name in builders:
         v = result["variants"][name]
         v["total_s"] = median(samples[name], "total")
