@@ -688,6 +688,34 @@ def test_hook_points_are_tagged_by_path_and_repeated_calls_stack(maybe_jit):
     assert "blocks.1.attn.hook_z" in names and "blocks.0.ln1" in names and "blocks.0.attn.proj" not in names
 
 
+def test_hook_points_compose_with_vmap_checkpoint_and_grad():
+    """vmap around, jax.checkpoint inside, jax.grad around jt.filter_grad: against + eps by hand."""
+    m = _Block(KEYS[0])
+    model = jt.tag_modules(m, jt.HookPoint)
+    xs = jnp.array([[0.3, -1.0, 2.0], [1.0, 0.5, -0.2]])
+
+    def by_hand(e, x):
+        a = m.ln1(x) + e["n"][0]
+        b = m.ln1(2.0 * x) + e["n"][1]
+        z = jnp.tanh(m.attn.proj(a) + e["q"]) + e["z"]
+        return jnp.sum((x + z * b + e["r"]) ** 2)
+
+    zeros = {"n": jnp.zeros((2, 3)), "q": jnp.zeros(3), "z": jnp.zeros(3), "r": jnp.zeros(3)}
+    names = {"hook_normalized": "n", "attn.hook_q": "q", "attn.hook_z": "z", "hook_resid_post": "r"}
+
+    def loss(m, x):
+        return jnp.sum(jax.checkpoint(lambda x: m(x))(x) ** 2)
+
+    per_example = jax.vmap(lambda x: jt.filter_grad(loss)(model, x)[1])(xs)
+    want = jax.vmap(lambda x: jax.grad(by_hand)(zeros, x))(xs)
+    assert_close([per_example[k] for k in names], [want[v] for v in names.values()])
+
+    def through(x):  # a function of the gradient at a hook point, differentiated in x
+        return jnp.sum(jt.filter_grad(loss)(model, x)[1]["attn.hook_z"] ** 2)
+
+    assert_close(jax.grad(through)(xs[0]), jax.grad(lambda x: jnp.sum(jax.grad(by_hand)(zeros, x)["z"] ** 2))(xs[0]))
+
+
 def test_hook_point_is_an_identity_on_pytrees():
     hp = jt.HookPoint()
     value = (jnp.ones(2), {"a": jnp.zeros(1)})

@@ -238,6 +238,18 @@ def test_nnx_compositions():
     oracle = lambda x: jnp.sum(jax.grad(eps_loss)(jnp.zeros((5, 4), F64), x) ** 2)  # noqa: E731
     assert_trees_close(jax.grad(through_tag)(X), jax.grad(oracle)(X))
 
+    # jax.checkpoint inside the loss, jax.jvp around jt.grad, jt.capture around jt.grad: all against + eps
+    zeros = jnp.zeros((5, 4), F64)
+    remat_loss = lambda m, x: jnp.sum(jnp.sin(jax.checkpoint(lambda x: m(x))(x)) ** 2)  # noqa: E731
+    assert_trees_close(jt.grad(remat_loss)(tagged, X)[1]["l1"], jax.grad(eps_loss)(zeros, X))
+    tangent = jnp.cos(X)
+    got = jax.jvp(lambda x: jt.grad(mse)(tagged, x)[1]["l1"], (X,), (tangent,))
+    want = jax.jvp(lambda x: jax.grad(eps_loss)(zeros, x), (X,), (tangent,))
+    assert_trees_close(got, want)
+    grads_at_l1, values = jt.capture(lambda x: jt.grad(mse)(tagged, x)[1]["l1"])(X)
+    assert_trees_close(grads_at_l1, jax.grad(eps_loss)(zeros, X))
+    assert_trees_close(values["l1"], X @ w1 + b1)  # the outer capture sees the inner split's tag
+
 
 def test_nnx_import_is_lazy():
     code = textwrap.dedent(
