@@ -150,7 +150,9 @@ class Splitter:
                     # The tag stays in place, so a transform around this one still finds it.
                     with _compat.source_context(eqn):
                         outvals = [self.retag(eqn, new, invals)]
-                    sub_outputs = {key: site_value(invals)} if key in self.output_keys else _NO_SITES
+                    # What a reader gets is the tag's output (the tagged value, after the site
+                    # function), so a transform around this one sees the path through it.
+                    sub_outputs = {key: site_value([*outvals, *invals[1:]])} if key in self.output_keys else _NO_SITES
                 else:
                     outvals, sub_outputs = RULES[eqn.primitive.name].evaluate(self, eqn, invals, sub_inputs, active)
                 for key, value in sub_outputs.items():
