@@ -100,9 +100,29 @@ class Site:
         return self.ncalls or 1
 
     def unit(self) -> tuple:
-        """What must agree between calls to stack them: one call's layout."""
+        """What must agree between copies of one call: one call's layout in the program."""
         stack = self.stack[1:] if self.ncalls else self.stack
         return (stack, self.aval.shape, self.dtype, self.batch_axes, self.tree)
+
+    def stackable(self) -> tuple:
+        """What must agree between calls to stack them: one call in the documented layout (a vmap
+        axis may sit elsewhere in the program from call to call: ``relayout`` moves it)."""
+        stack = self.stack[1:] if self.ncalls else self.stack
+        return (stack, self.user_aval_shape(), self.dtype, len(self.batch_axes), self.tree)
+
+    def _user_order(self) -> tuple:
+        """The program's axes of ``aval`` in the documented order: vmap axes, then the others."""
+        return (*self.batch_axes, *(i for i in range(len(self.aval.shape)) if i not in self.batch_axes))
+
+    def user_aval_shape(self) -> tuple:
+        return tuple(self.aval.shape[i] for i in self._user_order())
+
+    def relayout(self, target: "Site") -> tuple | None:
+        """The transposition of this site's value axes that gives ``target``'s layout (None: same)."""
+        order, to = self._user_order(), target._user_order()
+        where = {axis: u for u, axis in enumerate(to)}
+        perm = tuple(order[where[j]] for j in range(len(to)))
+        return None if perm == tuple(range(len(perm))) else perm
 
 
 PURPOSES = ("read", "forward", "reverse")  # capture; jvp and patch; gradients
@@ -138,11 +158,23 @@ class Slot:
     stop: int | None = None
     spliced: bool = False
     primary: bool = True
+    perm: tuple | None = None  # its value axes transposed by perm are the stacked site's (``Site.relayout``)
 
     def take(self, value):
-        if self.start is None:
-            return value
-        return value[self.start : self.stop] if self.spliced else value[self.start]
+        """This occurrence's part of a site input (in the stacked site's layout), in its own layout."""
+        if self.start is not None:
+            value = value[self.start : self.stop] if self.spliced else value[self.start]
+        return value if self.perm is None else _transpose_last(value, np.argsort(self.perm))
+
+    def put(self, value):
+        """This occurrence's value, in the stacked site's layout."""
+        return value if self.perm is None else _transpose_last(value, self.perm)
+
+
+def _transpose_last(value, perm):
+    """``value`` with its last ``len(perm)`` axes transposed by ``perm``."""
+    lead = jnp.ndim(value) - len(perm)
+    return jnp.transpose(value, (*range(lead), *(lead + int(p) for p in perm)))
 
 
 def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
@@ -156,13 +188,80 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
     and the branches' stacks are one site, each branch's values masked to the
     examples that took it, so they add up (what an unbatched cond gives).
     """
-    units = _copies(sites)  # each: the indices of one call's occurrences, original first
+    spliced = _spliced_copies(sites)  # a remat copy of several calls seen one by one
+    site, slots, calls = _stack_occurrences(sites, [i for i in range(len(sites)) if i not in spliced])
+    for i in spliced:
+        slot = _copy_slot(sites[i], calls)
+        if slot is None:  # not provably a copy: every occurrence its own call, never a silent merge
+            return _stack_occurrences(sites, range(len(sites)))[:2]
+        slots[i] = slot
+    return site, slots
+
+
+def _stack_occurrences(sites: Sequence[Site], chosen) -> tuple[Site, list, dict]:
+    """``stack_calls`` of the occurrences ``chosen``: the site, their slots (None for the others)
+    and ``_call_positions``."""
+    chosen = list(chosen)
+    units = [[chosen[i] for i in unit] for unit in _copies([sites[i] for i in chosen])]
     site, unit_slots = _stack_units(sites, units, depth=0)
     slots: list = [None] * len(sites)
     for members, slot in zip(units, unit_slots):
         for j, i in enumerate(members):
             slots[i] = dataclasses.replace(slot, primary=j == 0)
-    return site, slots
+    return site, slots, _call_positions(units, unit_slots, sites)
+
+
+def _spliced_copies(sites: Sequence[Site]) -> set:
+    """Occurrences that may be a rematerialised copy of calls held elsewhere in other groupings.
+
+    Under a ``jax.grad`` inside the traced function, JAX may inline the forward pass of a
+    ``jax.checkpoint`` (one occurrence per call, or one per cond holding several) and keep in
+    the backward pass a ``remat`` of just the calls it needs: a copy whose calls are all seen in
+    differentiated occurrences outside a rematerialised body, grouped differently.
+    """
+    seen: dict = {}  # call -> identities of the differentiated originals holding it
+    for s in sites:
+        if s.differentiated and not s.remat:
+            for c in s.identity:
+                seen.setdefault(c, set()).add(s.identity)
+    return {
+        i
+        for i, s in enumerate(sites)
+        if s.remat
+        and s.differentiated
+        and s.identity
+        and all(c in seen for c in s.identity)
+        and not any(s.identity in seen[c] for c in s.identity)  # an exact copy is _copies' case
+    }
+
+
+def _call_positions(units: list, unit_slots: list, sites: Sequence[Site]) -> dict:
+    """``{call: [(position in the stacked site, the site holding it), ...]}`` over the calls of the
+    differentiated originals among ``units`` (where a copy made by JAX can come from)."""
+    calls: dict = {}
+    for members, slot in zip(units, unit_slots):
+        original = sites[members[0]]
+        if not original.differentiated or original.remat or slot.perm is not None:
+            continue
+        if len(original.identity) != original.units():
+            continue  # its calls cannot be told apart
+        start = 0 if slot.start is None else slot.start
+        for k, c in enumerate(original.identity):
+            calls.setdefault(c, []).append((start + k, original))
+    return calls
+
+
+def _copy_slot(copy: Site, calls: dict) -> Slot | None:
+    """The slot of a copy of consecutive calls of one layout, or None if that is not certain."""
+    found = [calls.get(c, []) for c in copy.identity]
+    if any(len(f) != 1 for f in found):  # not seen, or seen in two uses: which one is unknown
+        return None
+    positions = [f[0][0] for f in found]
+    start = positions[0]
+    one_layout = all(original.unit() == copy.unit() for (_, original), in found)
+    if positions != list(range(start, start + len(found))) or not one_layout or len(found) != copy.units():
+        return None
+    return Slot(start, start + len(found), bool(copy.ncalls), primary=False)
 
 
 def _choice(site: Site, depth: int):
@@ -215,7 +314,7 @@ def _stack_units(sites: Sequence[Site], units: list, depth: int) -> tuple[Site, 
             "Give each site its own name, or pass repeated=True to jaxtrace.tag to stack the calls "
             "in call order."
         )
-    elif len({s.unit() for s in firsts}) > 1:
+    elif len({s.stackable() for s in firsts}) > 1:
         problem = (
             f"The repeated tag {first.name!r} is called with different shapes, structures or loop axes "
             f"({'; '.join(s.describe() for s in firsts)}), so its calls cannot be stacked. "
@@ -226,8 +325,9 @@ def _stack_units(sites: Sequence[Site], units: list, depth: int) -> tuple[Site, 
     slots: list = [None] * len(units)
     count = 0
     for site, within in parts:
+        perm = site.relayout(first)  # a call whose vmap axis sits elsewhere: moved to the first's place
         for u, slot in within.items():
-            slots[u] = _offset(slot, count, site)
+            slots[u] = _offset(slot, count, site, perm)
         count += site.units()
     stack = first.stack[1:] if first.ncalls else first.stack
     merged = dataclasses.replace(
@@ -255,11 +355,21 @@ def _common_choice(sites: Sequence[Site]) -> tuple | None:
     return common or None
 
 
-def _offset(slot: Slot, start: int, part: Site) -> Slot:
-    """``slot`` within a part that starts at call ``start`` of the stacked site."""
+def _offset(slot: Slot, start: int, part: Site, perm: tuple | None) -> Slot:
+    """``slot`` within a part that starts at call ``start`` of the stacked site, its layout then
+    transposed by ``perm`` (the part's layout to the stacked site's)."""
+    perm = _compose(slot.perm, perm)
     if slot.start is None:  # the part is this one call, or (spliced) all of its calls
-        return Slot(start, start + part.units(), bool(part.ncalls))
-    return Slot(start + slot.start, start + slot.stop, slot.spliced)
+        return Slot(start, start + part.units(), bool(part.ncalls), perm=perm)
+    return Slot(start + slot.start, start + slot.stop, slot.spliced, perm=perm)
+
+
+def _compose(first: tuple | None, then: tuple | None) -> tuple | None:
+    """The transposition ``first`` followed by ``then``."""
+    if first is None or then is None:
+        return then if first is None else first
+    perm = tuple(first[j] for j in then)
+    return None if perm == tuple(range(len(perm))) else perm
 
 
 def _refusals_of(sites: Sequence[Site]) -> dict:

@@ -208,6 +208,7 @@ def _stack(values: list):
     slots: dict = {}
     for slot, value in values:
         where = (slot.start, slot.stop, slot.spliced)
+        value = slot.put(value)
         slots[where] = slots[where] + value if where in slots else value
     if len(slots) == 1 and next(iter(slots))[0] is None:
         return next(iter(slots.values()))
