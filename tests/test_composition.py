@@ -529,3 +529,105 @@ def test_patch_and_patch_grad_reach_captured_values(maybe_jit):
     assert_trees_close(maybe_jit(jax.grad(cut))(X), jnp.zeros_like(X))
     halved = jt.patch_grad(reads_captured, {"h": lambda g: 0.5 * g})
     assert_trees_close(maybe_jit(jax.grad(halved))(X), 0.5 * jax.grad(reads_captured_eps)(X, jnp.zeros_like(X)))
+
+
+# --- found by the property grammar -----------------------------------------------------------
+
+W3 = jax.random.normal(jax.random.PRNGKey(0), (3, 3)) / 2
+
+
+def moved_axis(w, x, e=None):
+    """Repeated calls in a vmap, the batch axis moved by the matmul between them."""
+
+    def body(x, e):
+        for i in range(2):
+            x = jt.tag(x, "r", repeated=True) if e is None else x + e[i]
+            x = w @ x
+        return x
+
+    xs = jnp.stack([x, 2 * x])
+    return jnp.sum(jnp.sin(jax.vmap(body)(xs, e) if e is not None else jax.vmap(lambda x: body(x, None))(xs)))
+
+
+def test_repeated_calls_whose_vmap_axis_moves_are_stacked(maybe_jit):
+    _, tag_grads, values = maybe_jit(jt.grad(moved_axis, with_values=True))(W3, X)
+    oracle = jax.grad(moved_axis, argnums=2)(W3, X, jnp.zeros((2, 2, 3)))  # (batch, calls, 3)
+    assert tag_grads["r"].shape == (2, 2, 3)  # calls, then the vmap axis
+    assert_trees_close(tag_grads["r"], jnp.swapaxes(oracle, 0, 1))
+    xs = jnp.stack([X, 2 * X])
+    assert_trees_close(values["r"], jnp.stack([xs, xs @ W3.T]))
+    patched = jt.patch(moved_axis, {"r": jnp.stack([xs, xs])})(W3, X)  # a patch goes back in each layout
+    assert_trees_close(patched, jnp.sum(jnp.sin(xs @ W3.T)))
+
+
+def pairs_in_checkpoint(p, x, e=None):
+    """Three repeated calls of a pair tag in a jax.checkpoint."""
+
+    def body(x, e):
+        for i in range(3):
+            if e is None:
+                a, b = jt.tag((x, jnp.sin(x)[:2]), "r", repeated=True)
+            else:
+                a, b = x + e[0][i], jnp.sin(x)[:2] + e[1][i]
+            x = a + 0.5 * jnp.sum(b)
+        return x
+
+    return jnp.sum(jnp.sin(jax.checkpoint(body)(x * p, e)))
+
+
+def test_jt_grad_around_jt_grad_of_repeated_calls_in_a_checkpoint(maybe_jit):
+    """Under the inner gradient JAX inlines the checkpoint's forward pass (one equation per call)
+    and keeps its backward copy as one remat of two of the calls: a copy, not two more calls."""
+
+    def outer(p, x):
+        value, (_, tag_grads) = jt.value_and_grad(pairs_in_checkpoint)(p, x)
+        return value + 0.1 * sum(jnp.sum(g**2) for g in jax.tree_util.tree_leaves(tag_grads))
+
+    def outer_eps(p, x, e):
+        inner = lambda e1: pairs_in_checkpoint(p, x, jax.tree_util.tree_map(jnp.add, e, e1))  # noqa: E731
+        value, g = jax.value_and_grad(inner)(jax.tree_util.tree_map(jnp.zeros_like, e))
+        return value + 0.1 * sum(jnp.sum(l**2) for l in jax.tree_util.tree_leaves(g))
+
+    e0 = (jnp.zeros((3, 3)), jnp.zeros((3, 2)))
+    g, tag_grads = maybe_jit(jt.grad(outer))(1.3, X)
+    assert_trees_close(tag_grads["r"], jax.grad(outer_eps, argnums=2)(1.3, X, e0), rtol=1e-10, atol=1e-12)
+    assert_trees_close(g, jax.grad(outer_eps)(1.3, X, e0), rtol=1e-10, atol=1e-12)
+
+
+def pairs_in_a_switch(x, e=None):
+    """Two repeated calls of a pair tag in a switch branch (taken), in a jax.checkpoint."""
+
+    def branch(x):
+        for i in range(2):
+            if e is None:
+                a, b = jt.tag((x, jnp.sin(x)[:2]), "r", repeated=True)
+            else:
+                a, b = x + e[0][i], jnp.sin(x)[:2] + e[1][i]
+            x = a + 0.5 * jnp.sum(b)
+        return x
+
+    x = jnp.cos(jnp.cos(x))
+    return jax.checkpoint(lambda x: lax.switch((jnp.sum(x) < 0).astype(jnp.int32), [branch, jnp.tanh], x))(x)
+
+
+@pytest.mark.parametrize("uses", [1, 2])
+def test_a_partial_remat_copy_under_an_inner_grad_is_a_copy(maybe_jit, uses):
+    """JAX's backward pass rematerialises only the first call of the branch: a copy of that call.
+    With ``uses=2`` the checkpointed function's cached trace is also called once more directly:
+    two uses, stacked (the copy belongs to the differentiated one)."""
+
+    def g(x, e=None):
+        first = None if e is None else jax.tree_util.tree_map(lambda v: v[:2], e)
+        loss = lambda x: jnp.sum(jnp.sin(pairs_in_a_switch(x, first)))  # noqa: E731
+        value, grad = jax.value_and_grad(loss)(x)
+        out = value + 0.1 * jnp.sum(grad**2)
+        if uses == 1:
+            return out
+        return out + jnp.sum(pairs_in_a_switch(x, None if e is None else jax.tree_util.tree_map(lambda v: v[2:], e)))
+
+    e0 = (jnp.zeros((2 * uses, 3)), jnp.zeros((2 * uses, 2)))
+    _, tag_grads = maybe_jit(jt.grad(g))(X)
+    assert_trees_close(tag_grads["r"], jax.grad(g, argnums=1)(X, e0))
+    _, _, tangents = jt.jvp(g, (X,), (jnp.ones(3),))
+    _, want = jax.jvp(lambda x: jt.capture(lambda x: pairs_in_a_switch(x))(x)[1]["r"], (X,), (jnp.ones(3),))
+    assert_trees_close(tangents["r"], jax.tree_util.tree_map(lambda w: jnp.concatenate([w] * uses), want))
