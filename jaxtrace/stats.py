@@ -401,7 +401,10 @@ class History:
         return np.stack([rows.get(i, missing).astype(dtype) for i in range(len(self))])
 
     def format(self, stat: str = "norm", names: Sequence[str] | None = None, row: int = -1) -> str:
-        """One line for a log: the step, the scalars and ``stat`` per tag (a loop's last step)."""
+        """One line for a log: the step, the scalars and ``stat`` per tag (a loop's last step).
+
+        The root module's name ``""`` (``jt.tag_modules``) is written ``""``.
+        """
         if not self._steps:
             return "(empty History)"
         row = range(len(self))[row]
@@ -411,6 +414,7 @@ class History:
         for name in names if names is not None else self.names:
             value = self._stats.get(name, {}).get(stat, {}).get(row)
             if value is not None:
-                cells.append(f"{name} {float(np.ravel(value)[-1]):.3g}")
+                # The root module's name is "" (tag_modules, jaxtrace.torch): shown as "" so it is seen.
+                cells.append(f"{name or chr(34) * 2} {float(np.ravel(value)[-1]):.3g}")
         line = "  ".join(parts)
         return f"{line}  | {stat}: " + "  ".join(cells) if cells else line

@@ -299,3 +299,10 @@ def test_summarize_tag_jacobians_per_term(maybe_jit, detach):
 def test_summarize_terms_structure_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="structure of terms="):
         stats.summarize({"h": {"a": jnp.ones(2)}}, terms={"b": 1.0, "c": 2.0})
+
+
+def test_history_format_names_the_root_module():
+    """tag_modules names the root module "": the log line shows it as "" rather than a blank."""
+    h = jt.stats.History()
+    h.append(3, {"": {"norm": np.float32(1.0)}, "fc": {"norm": np.float32(2.0)}})
+    assert h.format() == 'step 3  | norm: "" 1  fc 2'
