@@ -169,7 +169,8 @@ class Comparison:
         )
         failed = [_why(r) for r in self.rows if not r.ok]
         if failed:
-            lines.append(f"failed: {'; '.join(failed)}")
+            more = f"; and {len(failed) - 5} more (in the table)" if len(failed) > 5 else ""
+            lines.append(f"failed: {'; '.join(failed[:5])}{more}")
         own = [r for r in self.rows if (r.rtol, r.atol) != (self.rtol, self.atol)]
         if own:
             lines.append(
