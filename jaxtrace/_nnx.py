@@ -125,7 +125,7 @@ def _callable(module) -> bool:
     return any("__call__" in vars(k) for k in type(module).__mro__[:-1])
 
 
-def _named_modules(model: nnx.Module) -> list:
+def named_modules(model: nnx.Module) -> list:
     """``(name, graph path, module)`` of every module in ``model``, parents first.
 
     Names are PyTorch's ``named_modules()`` names: attribute names and list
@@ -148,7 +148,7 @@ def _named_modules(model: nnx.Module) -> list:
 
 def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False) -> nnx.Module:
     """The Flax NNX case of ``jaxtrace.tag_modules``; see its docstring."""
-    named = [(name, path, m) for name, path, m in _named_modules(model) if _callable(m)]
+    named = [(name, path, m) for name, path, m in named_modules(model) if _callable(m)]
     chosen = choose([(name, m) for name, _, m in named], where)
     paths = {name: path for name, path, _ in named}
     tagged = nnx.clone(model)

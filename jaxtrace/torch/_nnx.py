@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from flax import nnx
 
-from ._nnx import _named_modules
+from .._nnx import named_modules
+from ._tensors import to_numpy
 
 
 def _layout(module: torch.nn.Module, name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
@@ -37,9 +38,10 @@ def _layout(module: torch.nn.Module, name: str, value: np.ndarray) -> tuple[str,
     return name, value
 
 
-def load_weights(model: nnx.Module, module: torch.nn.Module, to_numpy) -> nnx.Module:
+def load_weights(model: nnx.Module, module: torch.nn.Module) -> nnx.Module:
+    """A clone of ``model`` with ``module``'s parameters and floating buffers in Flax's layouts."""
     out = nnx.clone(model)
-    named = {name: m for name, _, m in _named_modules(out)}
+    named = {name: m for name, _, m in named_modules(out)}
     floating = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
     for full, tensor in [*module.named_parameters(), *floating]:
         path, _, name = full.rpartition(".")
