@@ -24,9 +24,10 @@ _IN = ":in"
 class Call:
     """One call of one hooked site: the tensors' shapes and, after backward, their gradients."""
 
-    unflatten: Callable
+    unflatten: Callable  # rebuilds the nest with plain containers (dict for a ModelOutput)
     shapes: list  # per leaf: (shape, numpy dtype) or None when the leaf has no gradient
     grads: list  # per leaf: np.ndarray once its hook fired
+    values: list = dataclasses.field(default_factory=list)  # with_values: per leaf, a copy at the call
 
     def result(self) -> Any:
         leaves = []
@@ -36,6 +37,9 @@ class Call:
             else:
                 leaves.append(g if g is not None else np.zeros(info[0], info[1]))
         return self.unflatten(leaves)
+
+    def value(self) -> Any:
+        return self.unflatten([None if info is None else v for info, v in zip(self.shapes, self.values)])
 
 
 class Recorder:
@@ -60,8 +64,9 @@ class Recorder:
     is written back into the caller's tensor (recorded by autograd).
     """
 
-    def __init__(self, patch_grads: dict | None = None):
+    def __init__(self, patch_grads: dict | None = None, with_values: bool = False):
         self.patch_grads = dict(patch_grads or {})  # name -> fn: the hook returns fn(g), as jt.patch_grad
+        self.with_values = with_values  # keep a NumPy copy of each watched tensor as the module saw it
         self.calls: dict[str, list[Call]] = {}
         self.wrt: list = []  # extra inputs of autograd.grad: leaves made for constants, gradient edges
         self._frames: dict[int, list] = {}  # per module: the calls in progress (a stack, for recursion)
@@ -69,8 +74,8 @@ class Recorder:
 
     def _watch(self, name: str, value, in_place: Callable = lambda t: False) -> tuple[Any, list]:
         """Hook every floating tensor in ``value``; returns the value to use and ``[(old, new)]``."""
-        leaves, unflatten = flatten(value)
-        call = Call(unflatten, [None] * len(leaves), [None] * len(leaves))
+        leaves, unflatten = flatten(value)  # keeps ModelOutput, NamedTuple, dataclass types
+        call = Call(flatten(value, plain=True)[1], [None] * len(leaves), [None] * len(leaves), [None] * len(leaves))
         swaps = []
         new_leaves = list(leaves)
         for i, leaf in enumerate(leaves):
@@ -93,6 +98,8 @@ class Recorder:
                 # to a parameter or an input (a value that depends only on some other leaf).
                 self.wrt.append(self._edge(alias))
             call.shapes[i] = (tuple(alias.shape), np_dtype(alias.dtype))
+            if self.with_values:  # a copy now: a later in-place op on the tensor does not change it
+                call.values[i] = to_numpy(alias)
             alias.register_hook(_store(call, i, self.patch_grads.get(name)))
             new_leaves[i] = alias
         self.calls.setdefault(name, []).append(call)
@@ -130,11 +137,12 @@ class Recorder:
 
         return pre_hook, hook
 
-    def results(self) -> dict:
+    def results(self, values: bool = False) -> dict:
+        """``{name: gradient}``, or with ``values=True`` ``{name: value}``, calls stacked."""
         out = {}
         for name, calls in self.calls.items():
-            values = [c.result() for c in calls]
-            out[name] = values[0] if len(values) == 1 else _stack_calls(name, calls, values)
+            per_call = [c.value() if values else c.result() for c in calls]
+            out[name] = per_call[0] if len(per_call) == 1 else _stack_calls(name, calls, per_call)
         return out
 
 
@@ -212,14 +220,25 @@ def value_and_grad(
     inputs: bool = False,
     kwargs: dict | None = None,
     patch_grads: dict | None = None,
-) -> tuple[float, tuple[dict, dict]]:
+    with_values: bool = False,
+) -> Any:
     """Run ``module(*args)``, then ``loss`` on its output; return the loss and the gradients.
 
     Returns ``(value, (param_grads, module_grads))``: ``value`` is the loss as
     a Python float; ``param_grads`` is ``{named_parameters() name: array}``;
     ``module_grads`` is ``{named_modules() path: gradient at the output}``
     (see the module docstring for tuples, repeated calls and ``":in"``), all
-    NumPy arrays in the module's dtype.
+    NumPy arrays in the module's dtype. A module output of a dict subclass
+    (Hugging Face's ``ModelOutput``), NamedTuple or dataclass keeps its type
+    in the forward pass, so the code that reads it runs as without hooks; its
+    gradient is a plain ``dict`` of its fields (a NamedTuple stays one).
+
+    ``with_values=True`` appends the values there, as ``jaxtrace.value_and_grad``
+    does: ``(value, (param_grads, module_grads), module_values)``, with the
+    keys and structure of ``module_grads`` (``None`` where that has ``None``),
+    each a NumPy copy of the tensor as it was when the module returned (for
+    ``":in"``: when it was called), so a later in-place operation does not
+    change it.
 
     ``loss`` maps the module's output to a scalar tensor (default: the output
     is the scalar). ``where`` selects modules: ``None`` (all, the root ``""``
@@ -264,7 +283,7 @@ def value_and_grad(
         )
     outs |= {p for p in patch_grads if not p.endswith(_IN)}
     ins |= {p.removesuffix(_IN) for p in patch_grads if p.endswith(_IN)}
-    recorder = Recorder(patch_grads)
+    recorder = Recorder(patch_grads, bool(with_values))
     params = dict(module.named_parameters())
     frozen = [p for p in params.values() if not p.requires_grad and (p.is_floating_point() or p.is_complex())]
     handles = []
@@ -318,7 +337,8 @@ def value_and_grad(
             f"jaxtrace.torch: {', '.join(repr(n) for n in missing)} was selected but never called in this "
             "forward pass, so it has no gradient. Leave it out of where=."
         )
-    return float(value.detach().reshape(()).real), (param_grads, module_grads)
+    result = (float(value.detach().reshape(()).real), (param_grads, module_grads))
+    return (*result, recorder.results(values=True)) if with_values else result
 
 
 def grad(
@@ -329,10 +349,12 @@ def grad(
     inputs: bool = False,
     kwargs: dict | None = None,
     patch_grads: dict | None = None,
-) -> tuple[dict, dict]:
+    with_values: bool = False,
+) -> Any:
     """``(param_grads, module_grads)`` of ``loss(module(*args))``; see ``value_and_grad``.
 
-    The order mirrors ``jaxtrace.grad``'s ``(grads, tag_grads)``.
+    The order mirrors ``jaxtrace.grad``'s ``(grads, tag_grads)``; ``with_values=True``
+    appends the values at the modules: ``(param_grads, module_grads, module_values)``.
 
     Example:
         >>> import torch, jaxtrace.torch as jtt
@@ -341,7 +363,8 @@ def grad(
         >>> list(modules), modules["0:in"].shape
         (['0:in', '0'], (2, 3))
     """
-    _, grads = value_and_grad(
-        module, *args, loss=loss, where=where, inputs=inputs, kwargs=kwargs, patch_grads=patch_grads
+    _, grads, *values = value_and_grad(
+        module, *args, loss=loss, where=where, inputs=inputs, kwargs=kwargs, patch_grads=patch_grads,
+        with_values=with_values,
     )
-    return grads
+    return (*grads, *values) if with_values else grads

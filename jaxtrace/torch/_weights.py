@@ -49,8 +49,14 @@ def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -
     """
     plan: list[Assign] = []
     seen: set = set()
+    consumed: set = set()  # parameters a layer rule planned (MultiheadAttention's out_proj too)
+    first_name = {id(p): n for n, p in module.named_parameters()}  # a tied parameter's torch name
     for path, mod in module.named_modules():
-        direct = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        own = list(mod.named_parameters(recurse=False))
+        direct = [(n, p) for n, p in own if id(p) not in seen]
+        # Tied parameters (GPT-2's lm_head.weight is transformer.wte.weight): the same tensor
+        # again under another path. They fill the port's field there too, if it has one.
+        tied = [(n, p) for n, p in own if id(p) in seen and id(p) not in consumed]
         buffers = [
             (n, b)
             for n, b in mod.named_buffers(recurse=False)
@@ -58,6 +64,8 @@ def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -
         ]
         seen.update(id(p) for _, p in direct)
         if not direct and not buffers:
+            if tied:
+                plan.extend(_plan_tied(model, path, mod, tied, first_name))
             continue
         kind = type(mod).__name__
         base = _steps_to(model, path, f"a {kind}")
@@ -78,11 +86,12 @@ def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -
             )
         rule = rule_for(mod)
         if rule is not None:
-            seen.update(id(p) for p in mod.parameters())  # a rule plans the whole layer (MHA's out_proj too)
+            whole = {id(p) for p in mod.parameters()}  # a rule plans the whole layer (MHA's out_proj too)
+            seen.update(whole)
+            consumed.update(whole)
             new = rule(path, mod, base, target)
             plan.extend(a for a in new if not grads or follow(model, a.steps) is not None)
             continue
-        conv = isinstance(mod, torch.nn.modules.conv._ConvNd)
         for name, p in direct:
             full = full_name(path, name)
             if not hasattr(target, name):
@@ -94,22 +103,11 @@ def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -
             if grads and leaf is None:
                 continue
             _check_leaf(full, base, name, target, leaf)
-            shape, eshape = tuple(p.shape), tuple(leaf.shape)
-            if conv and mod.transposed and name == "weight":
-                fn = _conv_transpose_weight(mod.groups)  # torch (in, out/g, *k) -> equinox (out, in/g, *k), flipped
-            elif shape == eshape:
-                fn = identity
-            elif conv and name == "bias" and eshape == shape + (1,) * (len(eshape) - len(shape)):
-                fn = _reshaper(eshape)  # equinox keeps conv biases as (out, 1, 1)
-            else:
-                fn = None
-            if fn is None or tuple(jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, leaf.dtype)).shape) != eshape:
-                raise ValueError(
-                    f"load_weights: the torch parameter {full!r} has shape {shape}, but the equinox "
-                    f"array at {show_steps(base + (('attr', name),))} has shape {eshape}. Build the equinox "
-                    "layer with the same sizes."
-                )
-            plan.append(Assign(base + (("attr", name),), (full,), fn))
+            plan.append(Assign(base + (("attr", name),), (full,), _layout(full, mod, name, p, base, target, leaf)))
+        for name, p in tied:
+            assign = _tied_assign(path, mod, name, p, first_name, base, target)
+            if assign is not None:
+                plan.append(assign)
     return plan
 
 
@@ -120,6 +118,92 @@ def _check_leaf(full, base, name, target, leaf):
             f"{type(target).__name__} at {show_steps(base)} has {name} = {leaf!r}"
             + (" (built with use_bias=False?)." if leaf is None else ".")
         )
+
+
+def _is_hf_conv1d(mod) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): a Linear whose weight is stored ``(in, out)``."""
+    return type(mod).__name__ == "Conv1D" and type(mod).__module__.startswith("transformers") and hasattr(mod, "nf")
+
+
+def _layout(full, mod, name, p, base, target, leaf) -> Callable:
+    """The map from torch's array to the equinox one (identity, transpose, reshape), or a shape error."""
+    conv = isinstance(mod, torch.nn.modules.conv._ConvNd)
+    shape, eshape = tuple(p.shape), tuple(leaf.shape)
+    if conv and mod.transposed and name == "weight":
+        fn = _conv_transpose_weight(mod.groups)  # torch (in, out/g, *k) -> equinox (out, in/g, *k), flipped
+    elif _is_hf_conv1d(mod) and name == "weight" and isinstance(target, eqx.nn.Linear):
+        fn = _transpose  # Conv1D keeps (in, out); eqx.nn.Linear (out, in), as torch.nn.Linear
+    elif shape == eshape:
+        fn = identity
+    elif conv and name == "bias" and eshape == shape + (1,) * (len(eshape) - len(shape)):
+        fn = _reshaper(eshape)  # equinox keeps conv biases as (out, 1, 1)
+    else:
+        fn = None
+    if fn is None or tuple(jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, leaf.dtype)).shape) != eshape:
+        hint = "Build the equinox layer with the same sizes."
+        if len(shape) == 2 and shape == eshape[::-1] and shape != eshape:
+            hint = (
+                "The sizes are the same but the layouts are each other's transpose: this torch layer keeps its "
+                f"weight as {shape} and the equinox array is {eshape}. A layer that stores (in, out), such as "
+                "transformers' Conv1D, goes into an eqx.nn.Linear (load_weights transposes a Conv1D's weight), "
+                "or into your own module whose field has torch's shape."
+            )
+        raise ValueError(
+            f"load_weights: the torch parameter {full!r} has shape {shape}, but the equinox "
+            f"array at {show_steps(base + (('attr', name),))} has shape {eshape}. {hint}"
+        )
+    return fn
+
+
+def _tied_assign(path, mod, name, p, first_name, base, target) -> Assign | None:
+    """The port's field for a tied parameter at ``path``: filled from the parameter's first name."""
+    leaf = getattr(target, name, None)
+    if leaf is None or not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+        return None  # the port reads the tied array from its first place, as torch does
+    source = first_name[id(p)]
+    fn = _layout(full_name(path, name) + f" (tied to {source!r})", mod, name, p, base, target, leaf)
+    return Assign(base + (("attr", name),), (source,), fn)
+
+
+def _plan_tied(model, path, mod, tied, first_name) -> list:
+    """Tied parameters of a module with no parameters of its own (GPT-2's ``lm_head``)."""
+    base = _try_steps(model, path)
+    if base is None:
+        return []  # the port has no module there: it reuses the tied array (self.wte.weight.T)
+    target = follow(model, base)
+    plan = []
+    for name, p in tied:
+        assign = _tied_assign(path, mod, name, p, first_name, base, target)
+        if assign is not None:
+            plan.append(assign)
+    return plan
+
+
+def _try_steps(model, path):
+    try:
+        return _steps_to(model, path, "a module")
+    except ValueError:
+        return None
+
+
+def _transpose(x):
+    return x.T
+
+
+def _unfilled(model, plan) -> tuple[list, list]:
+    """Paths of the model's arrays no assignment fills: ``(abstract ones, concrete ones)``."""
+    filled = {show_steps(a.steps) for a in plan}
+    abstract, concrete = [], []
+    flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]
+    for path, leaf in flat:
+        where = jax.tree_util.keystr(path)
+        if where in filled:
+            continue
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            abstract.append(where or "the model itself")
+        elif eqx.is_array(leaf):
+            concrete.append(where or "the model itself")
+    return abstract, concrete
 
 
 def _reshaper(shape):
@@ -259,6 +343,21 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
             stacklevel=2,
         )
     batch_norms = _plan_state(model, module, state)
+    abstract, concrete = _unfilled(model, plan)
+    if abstract:
+        raise ValueError(
+            f"load_weights: the abstract model has arrays that no torch parameter or buffer goes into: "
+            f"{', '.join(abstract)}. They would stay jax.ShapeDtypeStructs and fail later. Give each a torch "
+            "counterpart at the same path, or build them concretely (eqx.tree_at after load_weights, or a "
+            "concrete model)."
+        )
+    if concrete:
+        warnings.warn(
+            f"load_weights left these arrays of the equinox model as they were (no torch parameter or buffer "
+            f"goes into them): {', '.join(concrete)}. If one is a weight, it keeps its random init; a torch "
+            "parameter tied to another (GPT-2's lm_head.weight) fills every field at its paths.",
+            stacklevel=2,
+        )
     values = {n: jnp.asarray(to_numpy(p)) for n, p in [*module.named_parameters(), *module.named_buffers()]}
     if plan:
         new = [a.fn(*(values[n] for n in a.names)) for a in plan]
