@@ -261,3 +261,26 @@ def test_gpt2_under_jit_and_vmap_of_the_port():
     (g, tg), = [jax.jit(lambda p, i: jt.grad(loss)(p, i))(port, ids[0])]
     per = jax.vmap(lambda i: jt.grad(loss)(port, i)[1]["emb"])(ids)
     np.testing.assert_allclose(per[0], tg["emb"], rtol=1e-12)
+
+
+def test_values_of_repeated_calls_stack_like_gradients():
+    """A module called twice: values and gradients stacked in call order, inputs too (inputs=True)."""
+    cell = torch.nn.Linear(2, 2).double()
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = cell
+
+        def forward(self, x):
+            return self.cell(torch.tanh(self.cell(x))).sum()
+
+    x = torch.randn(3, 2, dtype=torch.float64)
+    _, grads, values = jtt.grad(Twice(), x, where=["cell"], inputs=True, with_values=True)
+    with torch.no_grad():
+        first = cell(x)
+        second = cell(torch.tanh(first))
+    assert values["cell"].shape == grads["cell"].shape == (2, 3, 2)
+    np.testing.assert_array_equal(values["cell"][0], first.numpy())
+    np.testing.assert_array_equal(values["cell"][1], second.numpy())
+    np.testing.assert_array_equal(values["cell:in"][1], torch.tanh(first).numpy())
