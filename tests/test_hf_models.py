@@ -284,3 +284,39 @@ def test_values_of_repeated_calls_stack_like_gradients():
     np.testing.assert_array_equal(values["cell"][0], first.numpy())
     np.testing.assert_array_equal(values["cell"][1], second.numpy())
     np.testing.assert_array_equal(values["cell:in"][1], torch.tanh(first).numpy())
+
+
+def test_nnx_target_conv1d_tied_and_unfilled():
+    nnx = pytest.importorskip("flax.nnx")
+    from transformers.pytorch_utils import Conv1D
+
+    class TorchNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(7, 4)
+            self.proj = Conv1D(4, 4)  # square: a transposition would go unnoticed by the shapes
+            self.head = torch.nn.Linear(4, 7, bias=False)
+            self.head.weight = self.wte.weight
+
+    class Port(nnx.Module):
+        def __init__(self, rngs):
+            self.wte = nnx.Embed(7, 4, rngs=rngs, param_dtype=jnp.float64)
+            self.proj = nnx.Linear(4, 4, rngs=rngs, param_dtype=jnp.float64)
+            self.head = nnx.Linear(4, 7, use_bias=False, rngs=rngs, param_dtype=jnp.float64)
+
+    torch.manual_seed(4)
+    net = TorchNet().double()
+    with torch.no_grad():
+        net.proj.bias.uniform_(-1, 1)
+    port = jtt.load_weights(Port(nnx.Rngs(0)), net)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    np.testing.assert_allclose(port.proj(jnp.asarray(x.numpy())), net.proj(x).detach().numpy(), rtol=1e-13)
+    np.testing.assert_array_equal(port.head.kernel[...], net.wte.weight.detach().numpy().T)  # tied: filled
+
+    class Extra(Port):
+        def __init__(self, rngs):
+            super().__init__(rngs)
+            self.gate = nnx.Param(jnp.ones(4))
+
+    with pytest.warns(UserWarning, match="gate"):
+        jtt.load_weights(Extra(nnx.Rngs(0)), net)
