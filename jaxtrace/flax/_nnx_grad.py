@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 from flax import nnx
 
-from ._ad import value_and_grad as _value_and_grad
-from ._sites import TagSelection, check_callable
+from .._ad import value_and_grad as _value_and_grad
+from .._sites import TagSelection, check_callable
 
 
 def value_and_grad(
