@@ -421,7 +421,7 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
     """
     nnx = sys.modules.get("flax.nnx")  # never imported here: a Flax model means Flax is loaded
     if nnx is not None and isinstance(model, nnx.Module):
-        from ._nnx import tag_modules as nnx_tag_modules
+        from .flax._nnx import tag_modules as nnx_tag_modules
 
         # an nnx.Module: the annotations here name equinox's types, the nnx ones are in _nnx
         return cast(Any, nnx_tag_modules(cast(Any, model), cast(Any, where), inputs=inputs))

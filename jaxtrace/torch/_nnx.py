@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from .._nnx import named_modules
+from ..flax._nnx import named_modules
 from ._tensors import to_numpy
 
 

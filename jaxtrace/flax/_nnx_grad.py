@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 from flax import nnx
 
-from . import stats as jt_stats
-from ._ad import value_and_grad as _value_and_grad
-from ._sites import TagSelection, check_callable
-from ._stats_option import stat_names
+from .. import stats as jt_stats
+from .._ad import value_and_grad as _value_and_grad
+from .._sites import TagSelection, check_callable
+from .._stats_option import stat_names
 
 
 def value_and_grad(
