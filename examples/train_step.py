@@ -6,10 +6,10 @@ A deep tanh MLP (an unmodified ``eqx.nn.MLP``) learns to tell three
 interleaved spirals apart (the data are generated, nothing is downloaded).
 ``jaxtrace.tag_modules`` tags the output of each of its ``Linear`` layers
 (``layers.0`` ... ``layers.6``, as PyTorch would name them). The jitted optax
-step takes gradients with ``jaxtrace.filter_value_and_grad`` and returns,
-besides the new model, four numbers per layer computed inside the step by
-``jaxtrace.stats.summarize`` (L2 norm, mean and max |gradient|, fraction
-non-finite) instead of the full activation gradients.
+step takes gradients with ``jaxtrace.filter_value_and_grad(..., stats=True)``
+and returns, besides the new model, four numbers per layer computed inside the
+step (L2 norm, mean and max |gradient|, fraction non-finite; one per step of a
+scan, should a layer run in one) instead of the full activation gradients.
 Every few steps they go into a ``jaxtrace.stats.History``, a progress line is
 printed, and at the end ``jaxtrace.plot.grad_flow`` draws them. At
 initialisation the first layer's activation gradient is tens of times smaller
@@ -55,14 +55,15 @@ def loss_fn(model, x, y):
 
 
 def make_step(optimizer):
-    grad_fn = jt.filter_value_and_grad(loss_fn, has_aux=True)
+    # stats=True: a few numbers per layer (per scanned layer, per step) leave the step, reduced inside it,
+    # not the (batch, width) activation gradients
+    grad_fn = jt.filter_value_and_grad(loss_fn, has_aux=True, stats=True)
 
     @eqx.filter_jit
     def step(model, opt_state, x, y):
-        (loss, acc), (grads, tag_grads) = grad_fn(model, x, y)
+        (loss, acc), (grads, tag_stats) = grad_fn(model, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
-        # a few numbers per layer leave the step, not the (batch, width) activation gradients
-        return eqx.apply_updates(model, updates), opt_state, loss, acc, jt.stats.summarize(tag_grads)
+        return eqx.apply_updates(model, updates), opt_state, loss, acc, tag_stats
 
     return step
 
@@ -91,10 +92,11 @@ def make_flax_step():
 
     @nnx.jit
     def step(model, optimizer, x, y):
-        # nnx.value_and_grad's result (grads of the nnx.Param state), and the gradients at the tags
-        (loss, acc), (grads, tag_grads) = jaxtrace.flax.value_and_grad(loss_of_model, has_aux=True)(model, x, y)
+        # nnx.value_and_grad's result (grads of the nnx.Param state), and statistics of the gradients at the tags
+        grad_fn = jaxtrace.flax.value_and_grad(loss_of_model, has_aux=True, stats=True)
+        (loss, acc), (grads, tag_stats) = grad_fn(model, x, y)
         optimizer.update(model, grads)  # nnx.Optimizer updates the model in place
-        return loss, acc, jt.stats.summarize(tag_grads)
+        return loss, acc, tag_stats
 
     return step
 

@@ -164,9 +164,13 @@ class Comparison:
         n_ok = sum(r.ok for r in self.rows)
         verdict = "OK" if self.ok else "FAILED"
         lines.append(
-            f"{verdict}: {n_ok}/{len(self.rows)} names match {a} vs {b} "
+            f"{verdict}: {n_ok}/{len(self.rows)} names match {a} vs {b}{self._one_sided()} "
             f"(pass: max abs err <= atol + rtol * max |{b}|, rtol={self.rtol:g}, atol={self.atol:g})"
         )
+        failed = [_why(r) for r in self.rows if not r.ok]
+        if failed:
+            more = f"; and {len(failed) - 5} more (in the table)" if len(failed) > 5 else ""
+            lines.append(f"failed: {'; '.join(failed[:5])}{more}")
         own = [r for r in self.rows if (r.rtol, r.atol) != (self.rtol, self.atol)]
         if own:
             lines.append(
@@ -175,11 +179,36 @@ class Comparison:
             )
         return "\n".join(lines)
 
+    def _one_sided(self) -> str:
+        """``", 2 names only in torch"`` where those make a strict comparison fail."""
+        if not self.strict:
+            return ""
+        a, b = self.labels
+        counts = [(len(n), label) for label, n in ((a, self.only_a), (b, self.only_b)) if n]
+        return "".join(f", {k} name{'s' * (k != 1)} only in {label}" for k, label in counts) + (
+            " (strict=False ignores names on one side)" if counts and not self.failed else ""
+        )
+
     def __str__(self) -> str:
         return self.table()
 
     def _repr_pretty_(self, p, cycle):  # IPython
         p.text(self.table())
+
+
+def _why(r: Row) -> str:
+    """One failed row in a few words: the numbers, the shapes, or what was not finite."""
+    if r.note == "shape":
+        return f"{r.name} (shape {r.shape_a} vs {r.shape_b})"
+    if r.note.startswith("layout"):
+        return f"{r.name} ({r.note})"
+    if r.note == "nan":
+        return f"{r.name} (nan, not matched; equal_nan=True allows nan at the same places)"
+    if r.note == "inf":
+        return f"{r.name} (infinities at different places or of different signs)"
+    scale = r.max_abs / r.max_rel if r.max_rel not in (0.0, float("inf")) and r.max_rel == r.max_rel else 0.0
+    allowed = r.atol + r.rtol * scale
+    return f"{r.name} (max abs err {r.max_abs:.2e} > {allowed:.2e} allowed)"
 
 
 class LayoutError(ValueError):
@@ -287,7 +316,11 @@ def compare(
     or a function ``(name, array) -> array`` used for every name.
 
     Returns a ``Comparison``: ``print`` it for a table; ``.ok`` says whether
-    everything matched, ``.assert_ok()`` raises with the table if not.
+    everything matched, ``.assert_ok()`` raises with the table if not. The
+    table ends with the verdict (how many names match, how many are on one
+    side only) and, when something failed, a ``failed:`` line with each
+    failed name and why: the error against what was allowed, the two
+    shapes, or the ``nan`` / infinity that did not match.
 
     Example:
         >>> import numpy as np, jaxtrace as jt

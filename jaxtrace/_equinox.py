@@ -25,10 +25,12 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
+from . import stats as jt_stats
 from ._ad import value_and_grad
 from ._sites import TagSelection, check_callable, check_tags
 from ._tag import tag
 from ._module_calls import tag_inputs
+from ._stats_option import stat_names
 from ._where import Where, choose
 
 
@@ -49,6 +51,8 @@ class _FilterValueAndGrad(eqx.Module):
     _fun: Callable
     _has_aux: bool = eqx.field(static=True)
     _tags: Any = eqx.field(static=True)
+    _with_values: bool = eqx.field(static=True, default=False)
+    _stats: Any = eqx.field(static=True, default=None)
 
     @property
     def __wrapped__(self):
@@ -68,7 +72,13 @@ class _FilterValueAndGrad(eqx.Module):
         def split_fun(diff_x, nondiff_x, *args, **kwargs):
             return fun(eqx.combine(diff_x, nondiff_x), *args, **kwargs)
 
-        return value_and_grad(split_fun, 0, has_aux=self._has_aux, tags=self._tags)(diff_x, nondiff_x, *rest, **kwargs)
+        if self._stats is not None:
+            transform = jt_stats.value_and_grad(
+                split_fun, 0, has_aux=self._has_aux, tags=self._tags, stats=self._stats, with_values=self._with_values
+            )
+        else:
+            transform = value_and_grad(split_fun, 0, has_aux=self._has_aux, tags=self._tags, with_values=self._with_values)
+        return transform(diff_x, nondiff_x, *rest, **kwargs)
 
     def __get__(self, instance, owner):
         return self if instance is None else jtu.Partial(self, instance)
@@ -85,21 +95,39 @@ class _FilterGrad(eqx.Module):
         return self._value_and_grad.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
 
     def __call__(self, *args, **kwargs):
-        value, grads = self._value_and_grad(*args, **kwargs)
-        return (grads, value[1]) if self._has_aux else grads
+        value, grads, *values = self._value_and_grad(*args, **kwargs)
+        result = (grads, value[1]) if self._has_aux else grads
+        return (*result, *values)  # with_values: the values (or their statistics) last, as jt.grad
 
     def __get__(self, instance, owner):
         return self if instance is None else jtu.Partial(self, instance)
 
 
-def filter_value_and_grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = None) -> Callable:
+def filter_value_and_grad(
+    fun: Callable,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    with_values: bool = False,
+    stats: Any = None,
+) -> Callable:
     """Like ``eqx.filter_value_and_grad``, and also the gradients at the tags in ``fun``.
 
     Differentiates with respect to the inexact (floating or complex) arrays of
     the first argument; ``grads`` has ``None`` at every other leaf, exactly as
-    ``eqx.filter_grad`` gives it. Returns ``(value, (grads, tag_grads))``, or with
-    ``has_aux`` ``((value, aux), (grads, tag_grads))``. ``tags`` selects tags as
-    in ``jaxtrace.value_and_grad``.
+    ``eqx.filter_grad`` gives it, so the model may hold functions
+    (``eqx.nn.Lambda``), strings and other non-arrays. Returns
+    ``(value, (grads, tag_grads))``, or with ``has_aux``
+    ``((value, aux), (grads, tag_grads))``. ``tags`` selects tags as in
+    ``jaxtrace.value_and_grad``; ``with_values=True`` appends the forward
+    values at the tags, ``(value, (grads, tag_grads), tag_values)``, as there.
+
+    ``stats=True`` (or statistic names, ``stats="norm"``) reduces each tag's
+    gradient inside the traced function, as ``jaxtrace.stats.value_and_grad``
+    does: ``tag_grads`` becomes ``{name: {stat: array}}`` with each tag's loop
+    axes kept, one value per layer of a ``lax.scan`` over layers and per step
+    of a recurrent cell, with no ``loop_axes`` to pass. With ``with_values``
+    the values are summarised the same way.
 
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
@@ -111,15 +139,23 @@ def filter_value_and_grad(fun: Callable, *, has_aux: bool = False, tags: TagSele
         (['', 'layers.0', 'layers.1', 'layers.2'], (4,))
     """
     check_callable(fun, "jaxtrace.filter_value_and_grad")
-    wrapper = _FilterValueAndGrad(fun, bool(has_aux), _hashable_tags(tags))
+    wrapper = _FilterValueAndGrad(fun, bool(has_aux), _hashable_tags(tags), bool(with_values), stat_names(stats))
     return eqx.module_update_wrapper(wrapper, fun)
 
 
-def filter_grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = None) -> Callable:
+def filter_grad(
+    fun: Callable,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    with_values: bool = False,
+    stats: Any = None,
+) -> Callable:
     """Like ``eqx.filter_grad``, and also the gradients at the tags in ``fun``.
 
     Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
-    see ``filter_value_and_grad``.
+    ``with_values=True`` appends the values at the tags, ``(grads, tag_grads,
+    tag_values)``; ``stats=`` summarises per tag. See ``filter_value_and_grad``.
 
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
@@ -132,7 +168,10 @@ def filter_grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = No
     """
     check_callable(fun, "jaxtrace.filter_grad")
     # filter_value_and_grad returns its _FilterValueAndGrad (module_update_wrapper keeps the type).
-    value_and_grad_fun = cast(_FilterValueAndGrad, filter_value_and_grad(fun, has_aux=has_aux, tags=tags))
+    value_and_grad_fun = cast(
+        _FilterValueAndGrad,
+        filter_value_and_grad(fun, has_aux=has_aux, tags=tags, with_values=with_values, stats=stats),
+    )
     wrapper = _FilterGrad(value_and_grad_fun, bool(has_aux))
     return eqx.module_update_wrapper(wrapper, fun)
 
@@ -382,7 +421,7 @@ def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False)
     """
     nnx = sys.modules.get("flax.nnx")  # never imported here: a Flax model means Flax is loaded
     if nnx is not None and isinstance(model, nnx.Module):
-        from ._nnx import tag_modules as nnx_tag_modules
+        from .flax._nnx import tag_modules as nnx_tag_modules
 
         # an nnx.Module: the annotations here name equinox's types, the nnx ones are in _nnx
         return cast(Any, nnx_tag_modules(cast(Any, model), cast(Any, where), inputs=inputs))

@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat
+from ._leaves import check_array_leaves
 from ._sites import Site, TagError, assemble, merge_branches, select, stack_calls, with_problem
 from ._tag import evaluated_tags, is_tag, site_value, tag_p
 
@@ -576,6 +577,8 @@ class Split:
                 )
         argnums = tuple(a % len(args) for a in argnums)
         self.args = tuple(args[i] for i in argnums)
+        if dynamic is _always:  # every leaf is traced: a clear error for functions, strings (issue 24)
+            check_array_leaves(self.args, argnums)
         leaves, tree = jax.tree_util.tree_flatten(self.args)
         mask = [dynamic(leaf) for leaf in leaves]
 

@@ -278,6 +278,7 @@ def value_and_grad(
     tags: TagSelection = None,
     stats: str | Sequence[str] = STATS,
     per_example: bool = False,
+    with_values: bool = False,
 ) -> Callable:
     """``jaxtrace.value_and_grad`` with each tag's gradient reduced by :func:`summarize`.
 
@@ -292,6 +293,14 @@ def value_and_grad(
     ``per_example=True``, which keeps the vmap axes of ``vmap`` inside ``fun``
     too: shape ``(*loop axes, *vmap axes)``. Under ``jax.jit`` only these
     summaries leave the compiled program, not the cotangents.
+    ``with_values=True`` appends the same statistics of the forward values at
+    the tags (activations), from the same pass:
+    ``(value, (grads, tag_stats), value_stats)``.
+
+    Equinox and Flax NNX models get the same from their own transforms:
+    ``jt.filter_value_and_grad(loss, stats=True)`` and
+    ``jaxtrace.flax.value_and_grad(loss, stats=True)`` (a Linen model's
+    ``params`` are a plain pytree: use this function).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
@@ -312,14 +321,19 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def stats_fun(*args, **kwargs):
-        split, run, eps = _ad._split_for_reverse(fun, args, kwargs, nums, tags, has_aux, False)
-        (value, (aux, _)), (g_args, g_eps) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(split.args, eps)
+        split, run, eps = _ad._split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
+        (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
+            split.args, eps
+        )
         keep = {}
         for site in split.sites:
             keep[site.name] = len(site.stack) + (len(site.batch_axes) if per_example else 0)
         tag_stats = summarize(split.tag_tree(g_eps), loop_axes=keep, stats=stats)
         grads = g_args[0] if isinstance(argnums, int) else g_args
-        return ((value, aux) if has_aux else value, (grads, tag_stats))
+        result = ((value, aux) if has_aux else value, (grads, tag_stats))
+        if with_values:
+            return (*result, summarize(split.tag_tree(values), loop_axes=keep, stats=stats))
+        return result
 
     return stats_fun
 
@@ -407,7 +421,10 @@ class History:
         return np.stack([rows.get(i, missing).astype(dtype) for i in range(len(self))])
 
     def format(self, stat: str = "norm", names: Sequence[str] | None = None, row: int = -1) -> str:
-        """One line for a log: the step, the scalars and ``stat`` per tag (a loop's last step)."""
+        """One line for a log: the step, the scalars and ``stat`` per tag (a loop's last step).
+
+        The root module's name ``""`` (``jt.tag_modules``) is written ``""``.
+        """
         if not self._steps:
             return "(empty History)"
         row = range(len(self))[row]
@@ -417,6 +434,7 @@ class History:
         for name in names if names is not None else self.names:
             value = self._stats.get(name, {}).get(stat, {}).get(row)
             if value is not None:
-                cells.append(f"{name} {float(np.ravel(value)[-1]):.3g}")
+                # The root module's name is "" (tag_modules, jaxtrace.torch): shown as "" so it is seen.
+                cells.append(f"{name or chr(34) * 2} {float(np.ravel(value)[-1]):.3g}")
         line = "  ".join(parts)
         return f"{line}  | {stat}: " + "  ".join(cells) if cells else line

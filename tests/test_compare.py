@@ -164,3 +164,24 @@ def test_per_name_tolerance_with_an_unknown_name_lists_the_names():
     with pytest.raises(ValueError, match=r"atol= names 'nothing\*'"):
         jt.compare(x, x, atol={"nothing*": 1e-8})
     assert jt.compare(x, x, rtol={"tuple[[]0]": 0.0}).ok  # fnmatch's escape for "["
+
+
+def test_summary_says_what_failed():
+    """The verdict names the failures: numbers over the tolerance, shapes, nan, and one-sided names."""
+    a = {"x": np.ones(3), "y": np.ones((2, 3)), "n": np.array([np.nan]), "same": np.zeros(2)}
+    b = {"x": 1.1 * np.ones(3), "y": np.ones((3, 2)), "n": np.array([np.nan]), "same": np.zeros(2), "w": np.ones(1)}
+    text = str(jt.compare(a, b, rtol=1e-10, atol=0, labels=("jax", "torch")))
+    assert "FAILED: 1/4 names match jax vs torch, 1 name only in torch (pass:" in text
+    assert "x (max abs err 1.00e-01 > 1.10e-10 allowed)" in text
+    assert "y (shape (2, 3) vs (3, 2))" in text and "n (nan" in text
+
+
+def test_summary_when_only_one_sided_names_fail():
+    """All common names agree but a name is missing on one side: the verdict says so, not only '1/1 match'."""
+    result = jt.compare({"z": np.zeros(2)}, {"z": np.zeros(2), "q": np.ones(1), "r": np.ones(1)}, labels=("jax", "torch"))
+    text = str(result)
+    assert not result.ok
+    assert "FAILED: 1/1 names match jax vs torch, 2 names only in torch (strict=False ignores names on one side)" in text
+    assert "failed:" not in text
+    relaxed = jt.compare({"z": np.zeros(2)}, {"z": np.zeros(2), "q": np.ones(1)}, strict=False)
+    assert relaxed.ok and "OK: 1/1 names match a vs b (pass:" in str(relaxed)

@@ -82,3 +82,18 @@ def test_transformerlens_port_without_transformer_lens_says_how_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "pip install" in out.stdout and "transformer-lens==3.9.0" in out.stdout
+
+
+def test_hf_gpt2_port():
+    """examples/hf_gpt2_port.py: GPT-2 from a config, every block / attention / MLP output and parameter to 1e-10."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_gpt2_port.py"), "--quick"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert out.stdout.count("OK: 8/8 names match jax vs torch") == 2  # activations and their gradients
+    assert "OK: 28/28 names match jax vs torch" in out.stdout  # every parameter
+    assert "all agree to 1e-10" in out.stdout

@@ -510,7 +510,7 @@ def test_linen_errors():
         jt.tag_modules(LinenMLP())
 
 
-@pytest.mark.parametrize("module", ["jaxtrace.flax", "jaxtrace._linen", "jaxtrace._nnx_ad"])
+@pytest.mark.parametrize("module", ["jaxtrace.flax", "jaxtrace.flax._linen", "jaxtrace.flax._nnx_grad", "jaxtrace.flax._nnx"])
 def test_flax_module_docstring_examples(module):
     assert doctest.testmod(sys.modules[module], optionflags=doctest.ELLIPSIS).failed == 0
 

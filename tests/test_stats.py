@@ -316,3 +316,10 @@ def test_value_and_grad_exports_with_a_symbolic_batch():
         got, want = exported.call(0.5, xs), step(0.5, xs)
         for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(g, w, rtol=1e-12)
+
+
+def test_history_format_names_the_root_module():
+    """tag_modules names the root module "": the log line shows it as "" rather than a blank."""
+    h = jt.stats.History()
+    h.append(3, {"": {"norm": np.float32(1.0)}, "fc": {"norm": np.float32(2.0)}})
+    assert h.format() == 'step 3  | norm: "" 1  fc 2'

@@ -40,7 +40,7 @@ except ImportError as _error:  # pragma: no cover - exercised where flax is not 
     ) from _error
 
 from ._linen import tag_modules as tag_modules
-from ._nnx_ad import grad as grad
-from ._nnx_ad import value_and_grad as value_and_grad
+from ._nnx_grad import grad as grad
+from ._nnx_grad import value_and_grad as value_and_grad
 
 __all__ = ["tag_modules", "grad", "value_and_grad"]

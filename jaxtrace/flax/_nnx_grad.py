@@ -18,12 +18,20 @@ from typing import Any, Callable
 
 from flax import nnx
 
-from ._ad import value_and_grad as _value_and_grad
-from ._sites import TagSelection, check_callable
+from .. import stats as jt_stats
+from .._ad import value_and_grad as _value_and_grad
+from .._sites import TagSelection, check_callable
+from .._stats_option import stat_names
 
 
 def value_and_grad(
-    fun: Callable, *, has_aux: bool = False, tags: TagSelection = None, wrt: Any = nnx.Param
+    fun: Callable,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    wrt: Any = nnx.Param,
+    with_values: bool = False,
+    stats: Any = None,
 ) -> Callable:
     """Like ``nnx.value_and_grad`` (first argument a model), and also the gradients at the tags.
 
@@ -34,7 +42,14 @@ def value_and_grad(
     ``tag_grads`` the dict of ``jaxtrace.value_and_grad``. Other state that
     ``fun`` changes in the model (RNG counts, batch statistics) is written back
     into it. Works eagerly and inside ``nnx.jit``; ``tags`` selects tags as in
-    ``jaxtrace.value_and_grad``.
+    ``jaxtrace.value_and_grad``. ``with_values=True`` appends the forward
+    values at the tags: ``(value, (grads, tag_grads), tag_values)``.
+
+    ``stats=True`` (or statistic names, ``stats="norm"``) reduces each tag's
+    gradient inside the traced function as ``jaxtrace.stats.value_and_grad``
+    does: ``tag_grads`` becomes ``{name: {stat: array}}`` with the tag's loop
+    axes kept, so an ``nnx.scan`` over layers gives one value per layer (no
+    ``loop_axes`` to pass); with ``with_values`` the values are summarised too.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax
@@ -52,6 +67,7 @@ def value_and_grad(
     """
     check_callable(fun, "jaxtrace.flax.value_and_grad")
     aux_wanted = bool(has_aux)
+    names = stat_names(stats)
 
     def value_and_grad_fun(model, *args, **kwargs):
         if not isinstance(model, nnx.Module):
@@ -68,20 +84,33 @@ def value_and_grad(
             value, aux = out if aux_wanted else (out, None)
             return value, (aux, nnx.split(inner, wrt, ...)[2])
 
-        (value, (aux, new_rest)), grads = _value_and_grad(split_fun, 0, has_aux=True, tags=tags)(
-            diff, rest, *args, **kwargs
-        )
+        if names is None:
+            transform = _value_and_grad(split_fun, 0, has_aux=True, tags=tags, with_values=with_values)
+        else:
+            transform = jt_stats.value_and_grad(
+                split_fun, 0, has_aux=True, tags=tags, stats=names, with_values=with_values
+            )
+        (value, (aux, new_rest)), grads, *values = transform(diff, rest, *args, **kwargs)
         nnx.update(model, new_rest)
-        return ((value, aux) if aux_wanted else value), grads
+        return (((value, aux) if aux_wanted else value), grads, *values)
 
     return value_and_grad_fun
 
 
-def grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = None, wrt: Any = nnx.Param) -> Callable:
+def grad(
+    fun: Callable,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    wrt: Any = nnx.Param,
+    with_values: bool = False,
+    stats: Any = None,
+) -> Callable:
     """Like ``nnx.grad`` (first argument a model), and also the gradients at the tags.
 
     Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
-    see ``jaxtrace.flax.value_and_grad``.
+    ``with_values=True`` appends the values at the tags, ``(grads, tag_grads,
+    tag_values)``; ``stats=`` summarises per tag. See ``jaxtrace.flax.value_and_grad``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax
@@ -92,10 +121,11 @@ def grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = None, wrt
         ((3, 2), [1.0, 1.0])
     """
     check_callable(fun, "jaxtrace.flax.grad")
-    value_and_grad_fun = value_and_grad(fun, has_aux=has_aux, tags=tags, wrt=wrt)
+    value_and_grad_fun = value_and_grad(fun, has_aux=has_aux, tags=tags, wrt=wrt, with_values=with_values, stats=stats)
 
     def grad_fun(model, *args, **kwargs):
-        value, grads = value_and_grad_fun(model, *args, **kwargs)
-        return (grads, value[1]) if has_aux else grads
+        value, grads, *values = value_and_grad_fun(model, *args, **kwargs)
+        result = (grads, value[1]) if has_aux else grads
+        return (*result, *values)
 
     return grad_fun

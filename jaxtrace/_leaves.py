@@ -1,0 +1,56 @@
+"""The differentiated arguments must be arrays: a clear error before JAX's own.
+
+``jt.grad`` / ``jt.value_and_grad`` (like ``jax.grad``) trace every leaf of the
+arguments in ``argnums``. An equinox model holding an ``eqx.nn.Lambda``, an
+activation function or a string has leaves that are not arrays, and JAX's error
+("Error interpreting argument ... as an abstract array") names neither the
+leaf's place in the model nor the fix. ``check_array_leaves`` names both.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+
+def _is_array_like(leaf) -> bool:
+    """What JAX can trace as an input: arrays, NumPy scalars, Python numbers and bools."""
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return True
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype") and hasattr(leaf, "__jax_array__")
+
+
+def check_array_leaves(args: tuple, argnums: tuple) -> None:
+    """A ``TypeError`` naming each non-array leaf of ``args`` (the arguments at ``argnums``) and the fix."""
+    bad = []
+    for position, arg in zip(argnums, args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            if not _is_array_like(leaf):
+                bad.append((position, jax.tree_util.keystr(path), leaf))
+    if not bad:
+        return
+    shown = "; ".join(f"argument {i}{' at ' + path if path else ''}: {_describe(leaf)}" for i, path, leaf in bad[:5])
+    more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+    nnx = sys.modules.get("flax.nnx")
+    is_nnx = nnx is not None and any(isinstance(a, nnx.Module) for a in args)
+    hint = (
+        "For a Flax NNX module use jaxtrace.flax.grad / jaxtrace.flax.value_and_grad, which differentiate "
+        "its nnx.Param state (as nnx.grad). "
+        if is_nnx
+        else "For an equinox model use jt.filter_grad / jt.filter_value_and_grad, which differentiate its "
+        "floating arrays only (as eqx.filter_grad); for a Flax NNX module, jaxtrace.flax.grad / "
+        "value_and_grad. "
+    )
+    raise TypeError(
+        "jaxtrace differentiates every leaf of the arguments in argnums, as jax.grad does, and those must "
+        f"be arrays, but found leaves that are not: {shown}{more}. {hint}Or split the arguments yourself "
+        "(eqx.partition / nnx.split) and pass the non-array part as an argument that is not differentiated."
+    )
+
+
+def _describe(leaf) -> str:
+    name = getattr(leaf, "__name__", None) or getattr(getattr(leaf, "__wrapped__", None), "__name__", None)
+    kind = type(leaf).__name__
+    return f"{kind} {name}" if name and callable(leaf) else f"a {kind}"

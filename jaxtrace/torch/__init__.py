@@ -1,0 +1,55 @@
+"""Side-by-side checks against PyTorch: gradients at module outputs, and weights into equinox or Flax NNX.
+
+``jaxtrace.torch.grad(module, *args, loss=...)`` runs a ``torch.nn.Module``
+and returns ``(param_grads, module_grads)`` as NumPy arrays: the parameter
+gradients by ``named_parameters()`` names, and the gradient at each selected
+module's output (and, on request, input) by ``named_modules()`` paths, the
+names ``jt.tag`` / ``jt.tag_modules`` use on the JAX side. ``load_weights``
+copies a torch module's parameters into the matching equinox model, and
+``named_grads`` renames that model's gradients back to torch's names, so that
+``jaxtrace.compare`` can put the two side by side.
+
+Naming and layout of ``module_grads`` (the same conventions as ``jt.tag``):
+
+- ``"<path>"``: the gradient at the module's output; ``"<path>:in"``: at its
+  positional inputs (one argument: that argument; several: a tuple). The root
+  module's path is ``""``.
+- A module that returns a tuple, list or dict gets a gradient of the same
+  structure, as a JAX tag on that pytree does; ``jaxtrace.compare`` names the
+  leaves ``"attn[0]"``, ``"attn[1]"``, ``"enc['h']"``. Leaves that are not
+  floating-point tensors (indices, ``None``, Python numbers) have no gradient:
+  ``None`` in their place.
+- A module called several times (weight sharing, a cell stepped in a Python
+  loop) fires once per call; the calls are stacked on a new leading axis in
+  call order, as ``jt.tag(..., repeated=True)`` or a tag in a ``lax.scan``
+  body stacks them. A module called once has no extra axis.
+- A module output that does not affect the loss gets zeros, not ``None``.
+- The gradient at an output counts the uses of the returned value from the
+  point the module returns; at an input, the uses inside that call. These are
+  ``register_full_backward_hook``'s ``grad_output`` and ``grad_input``, and
+  what ``jt.tag`` gives at the same places: the JAX port tags a module's
+  return value and, for ``":in"``, the arguments it receives. (A hook on the
+  tensor object would also count other uses of the same tensor: attention
+  probabilities used inside the module and also returned, a module's input
+  that a residual branch also reads.)
+
+Needs PyTorch (a CPU build is enough: ``pip install torch --index-url https://download.pytorch.org/whl/cpu``).
+"""
+
+from __future__ import annotations
+
+try:
+    import torch  # noqa: F401
+except ImportError as _error:  # pragma: no cover - exercised by a test that hides torch
+    raise ImportError(
+        "jaxtrace.torch needs PyTorch, which is not installed. A CPU build is enough, and much smaller than "
+        "the default CUDA build on Linux: `pip install torch --index-url https://download.pytorch.org/whl/cpu` "
+        '(or `pip install -e ".[torch]"` from a jaxtrace checkout, which takes the default build).'
+    ) from _error
+
+from ._hooks import grad as grad
+from ._hooks import value_and_grad as value_and_grad
+from ._weights import load_weights as load_weights
+from ._weights import named_grads as named_grads
+
+__all__ = ["grad", "value_and_grad", "load_weights", "named_grads"]

@@ -1,0 +1,415 @@
+"""``jaxtrace.torch.load_weights`` / ``named_grads``: torch parameters into an equinox model
+(or a Flax NNX one, in ``_nnx``), matched by path, and the model's gradients back under
+torch's names."""
+
+from __future__ import annotations
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from ._rules import Assign, follow, full_name, identity, rule_for, show_steps
+from ._tensors import to_numpy
+
+
+def _steps_to(model, path: str, what: str) -> tuple:
+    obj, steps = model, []
+    for part in path.split(".") if path else []:
+        if isinstance(obj, dict) and part in obj:
+            new = [("item", part)]
+        elif isinstance(obj, (list, tuple)) and part.isdigit() and int(part) < len(obj):
+            new = [("item", int(part))]
+        elif isinstance(obj, eqx.nn.Sequential) and part.isdigit() and int(part) < len(obj.layers):
+            new = [("attr", "layers"), ("item", int(part))]
+        elif not part.isdigit() and hasattr(obj, part):
+            new = [("attr", part)]
+        else:
+            raise ValueError(
+                f"load_weights: the torch module has {what} at {path!r}, but the equinox model has "
+                f"nothing called {part!r} at {show_steps(steps)} (a {type(obj).__name__}). Build the equinox "
+                "model with the same attribute names and list indices as the torch module's "
+                "named_modules() paths."
+            )
+        steps.extend(new)
+        obj = follow(obj, new)
+    return tuple(steps)
+
+
+def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -> list[Assign]:
+    """How each array of ``model`` is made from ``module``'s parameters.
+
+    With ``grads=True``, ``model`` is a gradient tree: arrays that are ``None``
+    there (no gradient) are skipped instead of being an error. BatchNorm running
+    statistics bound for an ``eqx.nn.State`` are planned by ``_plan_state``.
+    Persistent floating buffers with no field of their name are appended to ``unplaced``.
+    """
+    plan: list[Assign] = []
+    seen: set = set()
+    consumed: set = set()  # parameters a layer rule planned (MultiheadAttention's out_proj too)
+    first_name = {id(p): n for n, p in module.named_parameters()}  # a tied parameter's torch name
+    for path, mod in module.named_modules():
+        own = list(mod.named_parameters(recurse=False))
+        direct = [(n, p) for n, p in own if id(p) not in seen]
+        # Tied parameters (GPT-2's lm_head.weight is transformer.wte.weight): the same tensor
+        # again under another path. They fill the port's field there too, if it has one.
+        tied = [(n, p) for n, p in own if id(p) in seen and id(p) not in consumed]
+        buffers = [
+            (n, b)
+            for n, b in mod.named_buffers(recurse=False)
+            if not grads and id(b) not in seen and b.is_floating_point() and n not in mod._non_persistent_buffers_set
+        ]
+        seen.update(id(p) for _, p in direct)
+        if not direct and not buffers:
+            if tied:
+                plan.extend(_plan_tied(model, path, mod, tied, first_name))
+            continue
+        kind = type(mod).__name__
+        base = _steps_to(model, path, f"a {kind}")
+        target = follow(model, base)
+        # Floating buffers (BatchNorm running statistics) go into fields of their name where the
+        # equinox module has one (eqx.nn.BatchNorm keeps them in its State instead: _plan_state).
+        direct += [(n, b) for n, b in buffers if hasattr(target, n)]
+        if unplaced is not None and not isinstance(target, eqx.nn.BatchNorm):  # its statistics: _plan_state
+            unplaced += [full_name(path, n) for n, b in buffers if not hasattr(target, n)]
+        seen.update(id(b) for _, b in buffers)
+        if not direct:
+            continue
+        if isinstance(mod, torch.nn.Embedding) and mod.max_norm is not None:
+            raise ValueError(
+                f"load_weights: the Embedding at {path!r} has max_norm={mod.max_norm}: torch renormalises the "
+                "rows it looks up, in place, which eqx.nn.Embedding does not. Build it without max_norm (or "
+                "renormalise the weight yourself) before porting."
+            )
+        rule = rule_for(mod)
+        if rule is not None:
+            whole = {id(p) for p in mod.parameters()}  # a rule plans the whole layer (MHA's out_proj too)
+            seen.update(whole)
+            consumed.update(whole)
+            new = rule(path, mod, base, target)
+            plan.extend(a for a in new if not grads or follow(model, a.steps) is not None)
+            continue
+        for name, p in direct:
+            full = full_name(path, name)
+            if not hasattr(target, name):
+                raise ValueError(
+                    f"load_weights: the torch {kind} at {path!r} has the parameter {name!r}, but the "
+                    f"equinox {type(target).__name__} at {show_steps(base)} has no field {name!r}."
+                )
+            leaf = getattr(target, name)
+            if grads and leaf is None:
+                continue
+            _check_leaf(full, base, name, target, leaf)
+            plan.append(Assign(base + (("attr", name),), (full,), _layout(full, mod, name, p, base, target, leaf)))
+        for name, p in tied:
+            assign = _tied_assign(path, mod, name, p, first_name, base, target)
+            if assign is not None:
+                plan.append(assign)
+    return plan
+
+
+def _check_leaf(full, base, name, target, leaf):
+    if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+        raise ValueError(
+            f"load_weights: the torch parameter {full!r} has no array to go into: the equinox "
+            f"{type(target).__name__} at {show_steps(base)} has {name} = {leaf!r}"
+            + (" (built with use_bias=False?)." if leaf is None else ".")
+        )
+
+
+def _is_hf_conv1d(mod) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): a Linear whose weight is stored ``(in, out)``."""
+    return type(mod).__name__ == "Conv1D" and type(mod).__module__.startswith("transformers") and hasattr(mod, "nf")
+
+
+def _layout(full, mod, name, p, base, target, leaf) -> Callable:
+    """The map from torch's array to the equinox one (identity, transpose, reshape), or a shape error."""
+    conv = isinstance(mod, torch.nn.modules.conv._ConvNd)
+    shape, eshape = tuple(p.shape), tuple(leaf.shape)
+    if conv and mod.transposed and name == "weight":
+        fn = _conv_transpose_weight(mod.groups)  # torch (in, out/g, *k) -> equinox (out, in/g, *k), flipped
+    elif _is_hf_conv1d(mod) and name == "weight" and isinstance(target, eqx.nn.Linear):
+        fn = _transpose  # Conv1D keeps (in, out); eqx.nn.Linear (out, in), as torch.nn.Linear
+    elif shape == eshape:
+        fn = identity
+    elif conv and name == "bias" and eshape == shape + (1,) * (len(eshape) - len(shape)):
+        fn = _reshaper(eshape)  # equinox keeps conv biases as (out, 1, 1)
+    else:
+        fn = None
+    if fn is None or tuple(jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, leaf.dtype)).shape) != eshape:
+        hint = "Build the equinox layer with the same sizes."
+        if len(shape) == 2 and shape == eshape[::-1] and shape != eshape:
+            hint = (
+                "The sizes are the same but the layouts are each other's transpose: this torch layer keeps its "
+                f"weight as {shape} and the equinox array is {eshape}. A layer that stores (in, out), such as "
+                "transformers' Conv1D, goes into an eqx.nn.Linear (load_weights transposes a Conv1D's weight), "
+                "or into your own module whose field has torch's shape."
+            )
+        raise ValueError(
+            f"load_weights: the torch parameter {full!r} has shape {shape}, but the equinox "
+            f"array at {show_steps(base + (('attr', name),))} has shape {eshape}. {hint}"
+        )
+    return fn
+
+
+def _tied_assign(path, mod, name, p, first_name, base, target) -> Assign | None:
+    """The port's field for a tied parameter at ``path``: filled from the parameter's first name."""
+    leaf = getattr(target, name, None)
+    if leaf is None or not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
+        return None  # the port reads the tied array from its first place, as torch does
+    source = first_name[id(p)]
+    fn = _layout(full_name(path, name) + f" (tied to {source!r})", mod, name, p, base, target, leaf)
+    return Assign(base + (("attr", name),), (source,), fn)
+
+
+def _plan_tied(model, path, mod, tied, first_name) -> list:
+    """Tied parameters of a module with no parameters of its own (GPT-2's ``lm_head``)."""
+    base = _try_steps(model, path)
+    if base is None:
+        return []  # the port has no module there: it reuses the tied array (self.wte.weight.T)
+    target = follow(model, base)
+    plan = []
+    for name, p in tied:
+        assign = _tied_assign(path, mod, name, p, first_name, base, target)
+        if assign is not None:
+            plan.append(assign)
+    return plan
+
+
+def _try_steps(model, path):
+    try:
+        return _steps_to(model, path, "a module")
+    except ValueError:
+        return None
+
+
+def _transpose(x):
+    return x.T
+
+
+def _unfilled(model, plan) -> tuple[list, list]:
+    """Paths of the model's arrays no assignment fills: ``(abstract ones, concrete ones)``."""
+    filled = {show_steps(a.steps) for a in plan}
+    abstract, concrete = [], []
+    flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))[0]
+    for path, leaf in flat:
+        where = jax.tree_util.keystr(path)
+        if where in filled:
+            continue
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            abstract.append(where or "the model itself")
+        elif eqx.is_array(leaf):
+            concrete.append(where or "the model itself")
+    return abstract, concrete
+
+
+def _reshaper(shape):
+    return lambda x: x.reshape(shape)
+
+
+def _conv_transpose_weight(groups: int):
+    def fn(w):
+        # torch keeps a transposed convolution's kernel as (in, out / groups, *k) and applies it as
+        # the transpose of a convolution; equinox runs a dilated convolution with an (out, in / groups,
+        # *k) kernel: swap the channel axes within each group and flip the kernel in space.
+        cin, cout_g, *k = w.shape
+        w = w.reshape(groups, cin // groups, cout_g, *k).swapaxes(1, 2).reshape(groups * cout_g, cin // groups, *k)
+        return jnp.flip(w, axis=tuple(range(2, w.ndim)))
+
+    return fn
+
+
+def _plan_state(model, module, state) -> list[tuple]:
+    """``[(steps to an eqx.nn.BatchNorm, torch path)]`` whose running statistics go into ``state``.
+
+    An ``eqx.nn.BatchNorm`` under a torch BatchNorm that tracks running statistics needs a ``State``.
+    """
+    out = []
+    for path, mod in module.named_modules():
+        if not (isinstance(mod, torch.nn.modules.batchnorm._NormBase) and mod.running_mean is not None):
+            continue
+        base = _steps_to(model, path, f"a {type(mod).__name__}")
+        target = follow(model, base)
+        if not isinstance(target, eqx.nn.BatchNorm):
+            continue  # a hand-written batch norm: its fields of the buffers' names are filled by _plan
+        if state is None:
+            raise ValueError(
+                f"load_weights: the torch {type(mod).__name__} at {path!r} has running statistics, which the "
+                f"eqx.nn.BatchNorm at {show_steps(base)} keeps in an eqx.nn.State. Pass it: "
+                "`model, state = load_weights(model, module, state=state)` (from eqx.nn.make_with_state)."
+            )
+        if target.mode != "ema":
+            raise ValueError(
+                f"load_weights: the eqx.nn.BatchNorm at {show_steps(base)} was built with mode={target.mode!r}; "
+                f"only mode='ema' keeps running statistics as torch does (the torch {type(mod).__name__} at "
+                f"{path!r}). Build it with mode='ema' (and momentum = 1 - torch's momentum)."
+            )
+        out.append((base, path))
+    return out
+
+
+def _is_nnx(model) -> bool:
+    """Whether ``model`` is a Flax NNX module, read from its classes so that Flax is not imported here."""
+    return any(cls.__module__.startswith("flax.nnx.") for cls in type(model).__mro__)
+
+
+def load_weights(model, module: "torch.nn.Module", *, state=None):
+    """A copy of the equinox ``model`` with ``module``'s parameters in it, matched by path.
+
+    Each torch parameter ``"<path>.<name>"`` goes into the equinox array found
+    by following ``<path>`` in ``model`` (attributes; list indices; the
+    ``layers`` of an ``eqx.nn.Sequential``, so torch ``"seq.0"`` is
+    ``model.seq.layers[0]``) and then the field ``<name>``. ``Linear``,
+    ``Embedding``, ``LayerNorm``, ``GroupNorm`` and the like copy as they are
+    (equinox keeps PyTorch's ``(out, in)`` weight layout); ``Conv1d/2d/3d``
+    and ``ConvTranspose1d/2d/3d`` biases are reshaped to equinox's
+    ``(out, 1, ...)``, and a transposed convolution's kernel is rearranged to
+    equinox's ``(out, in / groups, ...)`` and flipped. Layers whose equinox
+    counterpart is laid out differently:
+
+    - ``GRUCell`` / ``LSTMCell`` onto ``eqx.nn.GRUCell`` / ``eqx.nn.LSTMCell``
+      (``bias_ih`` and ``bias_hh`` are folded into equinox's biases).
+    - ``GRU`` / ``LSTM`` (any ``num_layers``, ``bidirectional``) onto a list
+      with one entry per layer: a cell, or with ``bidirectional=True`` a list
+      ``[forward, reverse]`` of cells; torch's ``weight_ih_l1_reverse`` goes
+      into ``[1][1].weight_ih``. Layer ``k > 0`` takes ``directions *
+      hidden_size`` inputs. Running the cells (a scan per layer and direction)
+      is yours to write; the guide ``docs/guides/pytorch-weights.md`` has one.
+    - ``MultiheadAttention`` onto ``eqx.nn.MultiheadAttention`` with the same
+      ``num_heads`` and sizes: ``in_proj_weight`` / ``in_proj_bias`` are split
+      into ``query_proj``, ``key_proj``, ``value_proj``; ``out_proj`` goes into
+      ``output_proj``.
+    - ``BatchNorm1d/2d/3d`` onto ``eqx.nn.BatchNorm(..., mode="ema")``: the
+      weight and bias into the module, the running statistics into ``state``
+      (an ``eqx.nn.State``, from ``eqx.nn.make_with_state``), and then the
+      result is ``(model, state)``. Onto a hand-written batch norm, floating
+      persistent buffers go into fields of their names.
+
+    Parameters of your own modules copy by attribute name when the shapes
+    agree, and so do floating persistent buffers where the equinox module has
+    a field of the buffer's name (integer buffers such as
+    ``num_batches_tracked`` are not copied; a persistent floating buffer with
+    no such field is not copied either, with a warning that names it). ``model`` (and ``state``) may be
+    abstract (``eqx.filter_eval_shape`` of its constructor: arrays as
+    ``jax.ShapeDtypeStruct``), so a large port skips its random init. Values
+    and dtypes come from torch. A parameter with no place to go, or a layer
+    equinox cannot express (``nn.RNN``, attention with ``add_bias_kv``), is an
+    error that names its path.
+
+    ``model`` may also be a Flax NNX model (an ``nnx.Module``), matched by the
+    names ``jaxtrace.tag_modules`` gives its modules; it returns a clone with
+    the weights in Flax's layouts: ``Linear.weight`` transposed into
+    ``kernel``, a conv weight ``(out, in, *k)`` as ``kernel (*k, in, out)``,
+    ``Embedding.weight`` into ``embedding``, a norm's ``weight`` into
+    ``scale``, ``BatchNorm``'s running statistics into ``mean`` / ``var``.
+
+    Example:
+        >>> import torch, jax, equinox as eqx, jaxtrace.torch as jtt
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        >>> key1, key2 = jax.random.split(jax.random.key(0))
+        >>> model = eqx.nn.Sequential([eqx.nn.Linear(3, 4, key=key1), eqx.nn.Lambda(jax.numpy.tanh),
+        ...                            eqx.nn.Linear(4, 2, key=key2)])
+        >>> model = jtt.load_weights(model, net)
+        >>> bool((model.layers[2].weight == net[2].weight.detach().numpy()).all())
+        True
+        >>> bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, "batch", mode="ema")
+        >>> bn, state = jtt.load_weights(bn, torch.nn.BatchNorm1d(4), state=state)
+        >>> state.get(bn.ema_state_index)[1].tolist()
+        [1.0, 1.0, 1.0, 1.0]
+    """
+    if state is not None and not isinstance(state, eqx.nn.State):
+        raise TypeError(
+            f"load_weights: state= must be an eqx.nn.State (from eqx.nn.make_with_state), got {type(state).__name__}."
+        )
+    if _is_nnx(model):
+        if state is not None:
+            raise TypeError(
+                "load_weights: state= is for equinox models; an nnx model keeps its BatchNorm statistics "
+                "itself, so call load_weights(model, module) without state=."
+            )
+        from ._nnx import load_weights as load_nnx_weights  # imports Flax, which an nnx model has loaded
+
+        return load_nnx_weights(model, module)
+    unplaced: list = []
+    plan = _plan(model, module, unplaced=unplaced)
+    if unplaced:
+        warnings.warn(
+            f"load_weights did not copy the torch buffer(s) {', '.join(map(repr, unplaced))}: the equinox "
+            "modules there have no field of that name. Buffers that hold constants (masks, fill values) are "
+            "usually rebuilt by the port and can be left; give the module a field of the buffer's name to copy one.",
+            stacklevel=2,
+        )
+    batch_norms = _plan_state(model, module, state)
+    abstract, concrete = _unfilled(model, plan)
+    if abstract:
+        raise ValueError(
+            f"load_weights: the abstract model has arrays that no torch parameter or buffer goes into: "
+            f"{', '.join(abstract)}. They would stay jax.ShapeDtypeStructs and fail later. Give each a torch "
+            "counterpart at the same path, or build them concretely (eqx.tree_at after load_weights, or a "
+            "concrete model)."
+        )
+    if concrete:
+        warnings.warn(
+            f"load_weights left these arrays of the equinox model as they were (no torch parameter or buffer "
+            f"goes into them): {', '.join(concrete)}. If one is a weight, it keeps its random init; a torch "
+            "parameter tied to another (GPT-2's lm_head.weight) fills every field at its paths.",
+            stacklevel=2,
+        )
+    values = {n: jnp.asarray(to_numpy(p)) for n, p in [*module.named_parameters(), *module.named_buffers()]}
+    if plan:
+        new = [a.fn(*(values[n] for n in a.names)) for a in plan]
+        model = eqx.tree_at(lambda m: [follow(m, a.steps) for a in plan], model, new)
+    if state is None:
+        return model
+    if batch_norms:
+        norms = [follow(model, steps) for steps, _ in batch_norms]
+
+        def where(s):
+            out = []
+            for bn in norms:
+                mean, var = s.get(bn.ema_state_index)
+                out += [mean, var, s.get(bn.ema_first_time_index)]
+            return out
+
+        new = []
+        for _, path in batch_norms:
+            # Not the first call any more: training goes on from torch's statistics.
+            new += [values[full_name(path, "running_mean")], values[full_name(path, "running_var")], jnp.array(False)]
+        state = eqx.tree_at(where, state, new)
+    return model, state
+
+
+def named_grads(grads, module: "torch.nn.Module") -> dict:
+    """The gradients of an equinox model, under ``module``'s ``named_parameters()`` names.
+
+    ``grads`` has the equinox model's structure (as from ``eqx.filter_grad``,
+    ``jt.grad`` of a partitioned model, ...). This is the adjoint of
+    ``load_weights``: where one torch parameter feeds several equinox arrays
+    (a ``GRUCell``'s ``bias_hh``) the gradients are summed, and a reshaped
+    conv bias is reshaped back, so the result is the gradient with respect to
+    the torch parameters and compares one to one with
+    ``jaxtrace.torch.grad``'s ``param_grads``. Parameters whose equinox arrays
+    have no gradient in ``grads`` (``None``) are left out.
+
+    Example:
+        >>> import torch, jax, equinox as eqx, jaxtrace.torch as jtt
+        >>> net = torch.nn.Conv2d(1, 2, 3)
+        >>> model = jtt.load_weights(eqx.nn.Conv2d(1, 2, 3, key=jax.random.key(0)), net)
+        >>> model.bias.shape, jtt.named_grads(model, net)["bias"].shape
+        ((2, 1, 1), (2,))
+    """
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    out: dict = {}
+    for a in _plan(grads, module, grads=True):
+        ct = follow(grads, a.steps)
+        if ct is None:
+            continue
+        ct = jnp.asarray(ct)
+        primals = [jnp.zeros(shapes[n], ct.dtype) for n in a.names]
+        _, pullback = jax.vjp(a.fn, *primals)
+        for n, g in zip(a.names, pullback(ct)):
+            out[n] = g if n not in out else out[n] + g
+    return {n: np.asarray(out[n]) for n in shapes if n in out}
