@@ -164,14 +164,18 @@ class Splitter:
 
     def _call(self, jaxpr, start: int, env: dict, hooked: dict):
         """``call_fn`` on every leaf of the jt.tag call whose first leaf is equation ``start``; the
-        others' new values are kept in ``hooked`` for their own equations, which follow it."""
+        others' new values are kept in ``hooked`` for their own equations, which follow it (not
+        always next to it: a vmapped cond computes each leaf's mask before its tag)."""
         eqn = jaxpr.eqns[start]
         p = eqn.params
-        group = list(jaxpr.eqns[start : start + p["tree"].num_leaves])
-        whole = p["leaf"] == 0 and all(
-            is_tag(e) and e.params["call"] == p["call"] and e.params["leaf"] == j for j, e in enumerate(group)
-        )
-        if not whole:
+        group = [eqn]
+        for e in jaxpr.eqns[start + 1 :] if p["leaf"] == 0 else ():
+            if len(group) == p["tree"].num_leaves:
+                break
+            if is_tag(e) and e.params["call"] == p["call"] and e.params["name"] == p["name"] and e.params["leaf"] == len(group):
+                group.append(e)
+        ready = all(isinstance(e.invars[0], _compat.Literal) or e.invars[0] in env for e in group)
+        if len(group) != p["tree"].num_leaves or not ready:
             raise TagError(
                 f"jaxtrace cannot apply a function to the whole tag {p['name']!r} (at {_compat.source_line(eqn)}): "
                 "JAX placed its leaves apart in the program. Tag each leaf under its own name instead."
