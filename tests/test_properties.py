@@ -416,8 +416,9 @@ def check_layout(results, contexts, what, lead=()):
 
 
 @st.composite
-def cases(draw):
-    return case(draw(programs()), draw(st.integers(0, 2**31 - 1)))
+def cases(draw, depth=0):
+    """A program (``depth=1``: one level of nesting less, for the compositions), params and x."""
+    return case(draw(programs(depth)), draw(st.integers(0, 2**31 - 1)))
 
 
 def case(program, seed):
@@ -462,8 +463,9 @@ def check(program, params, x, jit):
 # matmul moves the batch axis, a reverse scan, a cond in a vmap (a select, with
 # a per-example predicate), a scan in a vmap and a vmap in a scan (the axis
 # order), remat with a policy in a jit, a pair tag in a loop, repeated calls in
-# a scan and in one branch of a vmapped cond, a switch in a vmap, and leaves of
-# three dtypes and size 0 in loops.
+# a scan and in one branch of a vmapped cond (issue 23), a switch in a vmap,
+# leaves of three dtypes and size 0 in loops, and repeated calls in a vmap
+# whose batch axis moves between the calls.
 EXAMPLES = [
     [("vmap", 2, [("matmul", 0), ("tag",), ("unary", "sin")])],
     [("scan", 3, True, [("matmul", 1), ("tag",)]), ("tag",)],
@@ -475,6 +477,8 @@ EXAMPLES = [
     [("vmap", 2, [("cond", [("repeat", 2, [("tag",), ("unary", "sin")])], [("unary", "cos")])])],
     [("vmap", 3, [("switch", [[("tag",)], [("unary", "sin"), ("repeat", 2, [("tag",)])], [("tag2",)]])])],
     [("vmap", 2, [("tagmix", "bfloat16"), ("scan", 2, False, [("tagmix", "float32")])]), ("tagmix", "bfloat16")],
+    # repeated calls in a vmap whose matmul moves the batch axis between the calls (found by the grammar)
+    [("vmap", 2, [("repeat", 2, [("tag",), ("matmul", 0)])])],
 ]
 
 
