@@ -50,7 +50,7 @@ jax.config.update("jax_enable_x64", True)
 
 PROFILES = {  # not registered globally: other test modules keep their own settings
     "ci": settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
-    "quick": settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
+    "quick": settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
     "large": settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]),
 }
 PROFILE = PROFILES[os.environ.get("JAXTRACE_HYPOTHESIS_PROFILE", "ci")]
@@ -496,7 +496,7 @@ def test_under_jit(case):
 
 
 @settings(PROFILE, max_examples=max(PROFILE.max_examples // 20, 3))
-@given(cases())
+@given(cases(depth=1))  # eager runs are slow: one nesting level less
 def test_eager(case):
     check(*case, jit=False)
 

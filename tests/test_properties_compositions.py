@@ -661,14 +661,17 @@ COMPOSITION_EXAMPLES = [
     (EXAMPLES[9], [], ("jacrev", "mixed")),
     (CAPTURED, [("jt_jacrev", "mixed")], ("vag", "grad")),
     # jt transforms inside and around each other and JAX's
-    (EXAMPLES[6], [("jt_stats", True), ("jax_vmap", 2)], ("vjp",)),
-    (EXAMPLES[8], [("jt_jvp",), ("patch_grad", 0)], ("jvp",)),
+    ([("scan", 2, False, [("repeat", 2, [("tag",), ("unary", "sin")])])], [("jt_stats", True), ("jax_vmap", 2)], ("vjp",)),
+    (EXAMPLES[0], [("patch_grad", 0), ("jt_jvp",)], ("jvp",)),
     (EXAMPLES[2], [("patch_value", 0), ("jt_vjp",)], ("stats", False)),
     (EXAMPLES[5], [("jt_grad", "with_values"), ("jax_checkpoint", "nothing")], ("jax_jvp",)),
     (EXAMPLES[4], [("patch_grad", 1), ("jax_grad",)], ("vag", "with_values")),
     (EXAMPLES[3], [("jax_jvp",), ("jt_grad", "grad")], ("capture",)),
     # found by the grammar: repeated calls of a pair tag in jax.checkpoint, jt.grad around jt.grad
     ([("checkpoint", "none", [("repeat", 3, [("tag2",)])])], [("jt_grad", "grad")], ("vag", "grad")),
+    # found by the grammar: jt.patch_grad of a pair tag in a switch under jax.vmap is refused
+    # ("JAX placed its leaves apart"), though jax.vmap around the patch_grad gives the answer
+    (EXAMPLES[8], [("patch_grad", 0), ("jt_jvp",)], ("jvp",)),
     # the refusals: a patch of a function that differentiates through the tag
     (CAPTURED, [("jt_grad", "grad"), ("patch_value", 0)], ("capture",)),
     (CAPTURED, [("jax_jvp",), ("patch_grad", 0)], ("vag", "grad")),
@@ -681,7 +684,7 @@ def with_composition_examples(test):
     return test
 
 
-@settings(PROFILE, max_examples=max(PROFILE.max_examples * 2 // 3, 10))
+@settings(PROFILE, max_examples=max(PROFILE.max_examples // 2, 10))
 @with_composition_examples
 @given(compositions())
 def test_compositions(composition):
@@ -703,7 +706,7 @@ EXPORTED = [("vmap", 2, [("matmul", 0), ("tag",)]), ("scan", 2, False, [("tag2",
 
 @pytest.mark.parametrize(
     "terminal",
-    [("vag", "with_values"), ("stats", False), ("jacrev", "plain"), ("capture",), ("jvp",)],
+    [("vag", "with_values"), ("stats", False), ("jacrev", "plain")],
     ids=lambda t: "-".join(map(str, t)),
 )
 def test_export_with_a_symbolic_batch(terminal):
