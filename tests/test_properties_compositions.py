@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from jax import export, lax  # jax.export is not an attribute of jax before it is imported (JAX 0.7)
 from test_properties import (
     D,
     EXAMPLES,
@@ -716,10 +716,10 @@ def test_export_with_a_symbolic_batch(terminal):
     chain = [("jt_capture",), ("batch_input",)]
     built = Build(program, chain, terminal, params, xs)
     fun = jax.jit(lambda p, xs: tagged_results(terminal, built.tagged, p, xs))
-    spec = jax.ShapeDtypeStruct(jax.export.symbolic_shape(f"b, {D}"), xs.dtype)
-    exported = jax.export.export(fun)(jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), spec)
+    spec = jax.ShapeDtypeStruct(export.symbolic_shape(f"b, {D}"), xs.dtype)
+    exported = export.export(fun)(jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), spec)
     try:
-        exported = jax.export.deserialize(exported.serialize())
+        exported = export.deserialize(exported.serialize())
     except ImportError:  # serialisation needs flatbuffers; calling the export checks the rest
         pass
     got = exported.call(params, xs)
