@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_trees_close
-from jax import lax
+from jax import export, lax
 
 import jaxtrace as jt
 
@@ -149,7 +149,7 @@ def test_jacrev_exports_with_a_symbolic_output_size():
     def f(x):
         return 2 * jt.tag(jnp.tanh(x), "h")
 
-    (b,) = jax.export.symbolic_shape("b")
-    exported = jax.export.export(jax.jit(jt.jacrev(f)))(jax.ShapeDtypeStruct((b, 3), jnp.float64))
+    (b,) = export.symbolic_shape("b")
+    exported = export.export(jax.jit(jt.jacrev(f)))(jax.ShapeDtypeStruct((b, 3), jnp.float64))
     xs = jnp.arange(6.0).reshape(2, 3) / 5
     assert_trees_close(exported.call(xs), jt.jacrev(f)(xs))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from jax import export, lax
 
 import jaxtrace as jt
 from jaxtrace import stats
@@ -308,10 +308,10 @@ def test_value_and_grad_exports_with_a_symbolic_batch():
 
         return jnp.sum(lax.scan(step, jnp.zeros(xs.shape[1:]), xs)[0])
 
-    (b,) = jax.export.symbolic_shape("b")
+    (b,) = export.symbolic_shape("b")
     for per_example in (False, True):
         step = jax.jit(stats.value_and_grad(loss, per_example=per_example))
-        exported = jax.export.export(step)(jax.ShapeDtypeStruct((), jnp.float64), jax.ShapeDtypeStruct((5, b), jnp.float64))
+        exported = export.export(step)(jax.ShapeDtypeStruct((), jnp.float64), jax.ShapeDtypeStruct((5, b), jnp.float64))
         xs = jnp.linspace(-1, 1, 15).reshape(5, 3)
         got, want = exported.call(0.5, xs), step(0.5, xs)
         for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
