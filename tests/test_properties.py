@@ -358,7 +358,7 @@ def documented_shapes(contexts, lead=()):
     return out
 
 
-def natural(contexts, name, fill, dtype_of=None):
+def natural(contexts, name, fill):
     """A tree for tag ``name`` in the oracle's layout, each leaf ``fill(shape, dtype)``."""
     ctx, shapes = contexts[name]
     lead = tuple(n for _, n in ctx)

@@ -23,12 +23,13 @@ a symbolic batch dimension.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from jax import export, lax  # jax.export is not an attribute of jax before it is imported (JAX 0.7)
 from test_properties import (
     D,
@@ -44,7 +45,6 @@ from test_properties import (
     check_layout,
     natural,
     score,
-    stack,  # noqa: F401
     tag_contexts,
     tag_mark,
     tag_names,
@@ -53,9 +53,6 @@ from test_properties import (
 )
 
 import jaxtrace as jt
-
-from hypothesis import example, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 try:
     import equinox  # noqa: F401
