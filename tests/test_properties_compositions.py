@@ -89,8 +89,9 @@ def cotangent(y):
     return jnp.sin(0.9 * ramp(y) + 0.4).astype(y.dtype)
 
 
-OUTS = {  # what a jacrev layer differentiates: the state, or leaves of four dtypes and sizes
+OUTS = {  # what a jacrev layer differentiates: the state, leaves of three dtypes, or also of size 0
     "plain": lambda y: y,
+    "lowp": lambda y: {"a": y, "b": (2.0 * y[..., :2]).astype(jnp.float32), "d": jnp.sin(y[..., 1:]).astype(jnp.bfloat16)},
     "mixed": lambda y: {
         "a": y,
         "b": (2.0 * y[..., :2]).astype(jnp.float32),
@@ -656,6 +657,7 @@ COMPOSITION_EXAMPLES = [
     (DUPLICATED_IN_VMAPPED_COND, [], ("capture",)),
     # 5. jt.jacrev of outputs of mixed precision and of size 0
     (EXAMPLES[9], [], ("jacrev", "mixed")),
+    (EXAMPLES[0], [], ("jacrev", "lowp")),
     (CAPTURED, [("jt_jacrev", "mixed")], ("vag", "grad")),
     # jt transforms inside and around each other and JAX's
     ([("scan", 2, False, [("repeat", 2, [("tag",), ("unary", "sin")])])], [("jt_stats", True), ("jax_vmap", 2)], ("vjp",)),
