@@ -196,3 +196,21 @@ def test_checkpoint_around_and_other_transforms_around_patch_grad(maybe_jit):
     _, values = maybe_jit(jt.capture(patched))(W, XS)
     _, plain_values = jt.capture(f)(W, XS)
     assert_trees_close(values, plain_values)
+
+
+def test_a_pytree_tag_in_a_vmapped_cond(maybe_jit):
+    """The vmapped cond masks each leaf before its tag, so the leaves are not next to each other."""
+
+    def g(x):
+        def a(x):
+            u, v = jt.tag((x, jnp.sin(x)[:2]), "pair")
+            return u * 2 + jnp.sum(v)
+
+        return jnp.sum(lax.cond(jnp.sum(x) > 0, a, jnp.cos, x))
+
+    neg = lambda g: jax.tree_util.tree_map(jnp.negative, g)  # noqa: E731
+    xs = jnp.stack([jnp.ones(3), -2 * jnp.ones(3), jnp.arange(3.0)])
+    got = maybe_jit(jax.grad(jt.patch_grad(lambda xs: jnp.sum(jax.vmap(g)(xs)), {"pair": neg})))(xs)
+    taken = (jnp.sum(xs, axis=1) > 0)[:, None]
+    by_hand = -(2 + 3 * jnp.concatenate([jnp.cos(xs[:, :2]), jnp.zeros((3, 1))], axis=1))
+    assert_trees_close(got, jnp.where(taken, by_hand, -jnp.sin(xs)))
