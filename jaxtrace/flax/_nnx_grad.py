@@ -27,14 +27,26 @@ def value_and_grad(
 ) -> Callable:
     """Like ``nnx.value_and_grad`` (first argument a model), and also the gradients at the tags.
 
-    Returns ``(value, (grads, tag_grads))``, or with ``has_aux``
-    ``((value, aux), (grads, tag_grads))``: ``grads`` is the ``nnx.State`` of
-    the model's ``wrt`` variables (``nnx.Param`` by default: what
-    ``nnx.grad`` returns and ``nnx.Optimizer.update(model, grads)`` takes),
-    ``tag_grads`` the dict of ``jaxtrace.value_and_grad``. Other state that
-    ``fun`` changes in the model (RNG counts, batch statistics) is written back
-    into it. Works eagerly and inside ``nnx.jit``; ``tags`` selects tags as in
-    ``jaxtrace.value_and_grad``.
+    Other state that ``fun`` changes in the model (RNG counts, batch
+    statistics) is written back into it, as ``nnx.grad`` does. Works eagerly
+    and inside ``nnx.jit``.
+
+    Args:
+        fun: the function; its first argument is an ``nnx.Module``.
+        has_aux: ``fun`` returns ``(value, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        wrt: which variables to differentiate, as in ``nnx.grad``.
+
+    Returns:
+        A function that returns ``(value, (grads, tag_grads))``, or with
+        ``has_aux`` ``((value, aux), (grads, tag_grads))``: ``grads`` is the
+        ``nnx.State`` of the model's ``wrt`` variables (what
+        ``nnx.Optimizer.update(model, grads)`` takes), ``tag_grads`` the dict
+        of ``jaxtrace.value_and_grad``.
+
+    Raises:
+        TypeError: if ``fun`` is not callable; when called, if its first
+            argument is not an ``nnx.Module``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax
@@ -80,8 +92,18 @@ def value_and_grad(
 def grad(fun: Callable, *, has_aux: bool = False, tags: TagSelection = None, wrt: Any = nnx.Param) -> Callable:
     """Like ``nnx.grad`` (first argument a model), and also the gradients at the tags.
 
-    Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
-    see ``jaxtrace.flax.value_and_grad``.
+    Args:
+        fun: the function; its first argument is an ``nnx.Module``.
+        has_aux: ``fun`` returns ``(value, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        wrt: which variables to differentiate, as in ``nnx.grad``.
+
+    Returns:
+        A function that returns ``(grads, tag_grads)``, or with ``has_aux``
+        ``((grads, tag_grads), aux)``; see ``jaxtrace.flax.value_and_grad``.
+
+    Raises:
+        TypeError: as ``jaxtrace.flax.value_and_grad``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax
