@@ -87,16 +87,30 @@ def value_and_grad(
 ) -> Callable:
     """Like ``jax.value_and_grad``, and also the gradients at the tags in ``fun``.
 
-    Returns a function with ``fun``'s signature that returns
-    ``(value, (grads, tag_grads))``, or with ``has_aux``
-    ``((value, aux), (grads, tag_grads))``. ``grads`` is what ``jax.grad``
-    returns; ``tag_grads`` is ``{name: gradient at the tagged value}``, each
-    with the tagged value's structure, shape and dtype (plus leading axes for
-    loops and ``vmap``). ``tags`` selects tags: ``None`` (all), a name, a
-    sequence of names, or a predicate on names. With ``with_values=True`` the
-    forward values at the tags, from the same pass, are appended:
-    ``(value, (grads, tag_grads), tag_values)``. ``holomorphic=True`` is
-    ``jax.grad``'s: for a holomorphic ``fun`` of complex inputs and tags.
+    ``tag_grads`` is ``{name: gradient at the tagged value}``, each with the
+    tagged value's structure, shape and dtype, plus leading axes for loops and
+    ``vmap`` (the layout rule in *Concepts*).
+
+    Args:
+        fun: the function to differentiate; it calls ``jaxtrace.tag`` inside.
+        argnums: which positional arguments to differentiate, as in ``jax.grad``.
+        has_aux: ``fun`` returns ``(value, aux)``, as in ``jax.grad``.
+        tags: which tags: ``None`` (all), a name, a sequence of names, or a
+            predicate on names.
+        with_values: also return the forward values at the tags, from the same pass.
+        holomorphic: ``jax.grad``'s, for a holomorphic ``fun`` of complex inputs and tags.
+
+    Returns:
+        A function with ``fun``'s signature that returns ``(value, (grads,
+        tag_grads))``, or with ``has_aux`` ``((value, aux), (grads, tag_grads))``;
+        ``grads`` is what ``jax.grad`` returns. With ``with_values`` the values
+        are appended: ``(value, (grads, tag_grads), tag_values)``.
+
+    Raises:
+        TypeError: if ``fun`` is not callable or ``tags`` / ``argnums`` is of the wrong kind.
+        TagError: when called, if a name in ``tags`` is not a tag of ``fun``, or a
+            tag sits where a gradient cannot exist (a ``while_loop``, inside a
+            ``custom_vjp`` function).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
@@ -109,20 +123,35 @@ def value_and_grad(
         (4, 2)
     """
     check_callable(fun, "jaxtrace.value_and_grad")
-    check_tags(tags)
-    nums = _normalize_argnums(argnums)
+    fun_with_sites = value_and_grad_with_sites(
+        fun, argnums, has_aux=has_aux, tags=tags, with_values=with_values, holomorphic=holomorphic
+    )
 
     @functools.wraps(fun)
     def value_and_grad_fun(*args, **kwargs):
+        return fun_with_sites(*args, **kwargs)[0]
+
+    return value_and_grad_fun
+
+
+def value_and_grad_with_sites(
+    fun: Callable, argnums, *, has_aux: bool, tags: TagSelection, with_values: bool = False, holomorphic: bool = False
+) -> Callable:
+    """``value_and_grad(fun, ...)``, returning ``(its result, the sites it split)``: for callers that
+    need each tag's layout (loop and batch axes), as ``jaxtrace.stats.value_and_grad`` does."""
+    check_tags(tags)
+    nums = _normalize_argnums(argnums)
+
+    def fun_with_sites(*args, **kwargs):
         split, run, eps = _split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
         (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(
             run, argnums=(0, 1), has_aux=True, holomorphic=holomorphic
         )(split.args, eps)
         grads = g_args[0] if isinstance(argnums, int) else g_args
         result = ((value, aux) if has_aux else value, (grads, split.tag_tree(g_eps)))
-        return (*result, split.tag_tree(values)) if with_values else result
+        return ((*result, split.tag_tree(values)) if with_values else result), split.sites
 
-    return value_and_grad_fun
+    return fun_with_sites
 
 
 def grad(
@@ -136,8 +165,22 @@ def grad(
 ) -> Callable:
     """Like ``jax.grad``, and also the gradients at the tags in ``fun``.
 
-    Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
-    ``with_values=True`` appends the forward values at the tags. See ``value_and_grad``.
+    Args:
+        fun: the function to differentiate; it calls ``jaxtrace.tag`` inside.
+        argnums: as in ``value_and_grad``.
+        has_aux: as in ``value_and_grad``.
+        tags: as in ``value_and_grad``.
+        with_values: as in ``value_and_grad``.
+        holomorphic: as in ``value_and_grad``.
+
+    Returns:
+        A function that returns ``(grads, tag_grads)``, or with ``has_aux``
+        ``((grads, tag_grads), aux)``; ``with_values=True`` appends the forward
+        values at the tags.
+
+    Raises:
+        TypeError: as ``value_and_grad``.
+        TagError: as ``value_and_grad``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -165,11 +208,23 @@ def grad(
 def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection = None, with_values: bool = False):
     """Like ``jax.vjp``, and the pullback also gives the cotangents at the tags.
 
-    Returns ``(out, vjp_fn)`` or with ``has_aux`` ``(out, vjp_fn, aux)``, where
-    ``vjp_fn(ct)`` returns ``(primal_cts, tag_cts)``: ``primal_cts`` is the tuple
-    ``jax.vjp``'s pullback returns, ``tag_cts`` is ``{name: cotangent}``.
-    ``vjp_fn`` is linear and can be ``jax.vmap``-ed (rows of a Jacobian).
-    ``with_values=True`` appends the forward values at the tags.
+    Args:
+        fun: the function to linearize; it calls ``jaxtrace.tag`` inside.
+        *primals: the point to linearize at.
+        has_aux: ``fun`` returns ``(out, aux)``.
+        tags: which tags, as in ``value_and_grad``.
+        with_values: also return the forward values at the tags.
+
+    Returns:
+        ``(out, vjp_fn)``, or with ``has_aux`` ``(out, vjp_fn, aux)``;
+        ``vjp_fn(ct)`` returns ``(primal_cts, tag_cts)``: the tuple ``jax.vjp``'s
+        pullback returns, and ``{name: cotangent}``. ``vjp_fn`` is linear and can
+        be ``jax.vmap``-ed (rows of a Jacobian). ``with_values=True`` appends the
+        forward values at the tags.
+
+    Raises:
+        TypeError: as ``value_and_grad``.
+        TagError: as ``value_and_grad``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -209,14 +264,26 @@ def jacrev(
 ) -> Callable:
     """Like ``jax.jacrev``, and also the Jacobians at the tags: which output reaches which tag.
 
-    Returns a function that returns ``(jac, tag_jacs)``, or with ``has_aux``
-    ``((jac, tag_jacs), aux)``; ``with_values=True`` appends the forward values
-    at the tags. ``jac`` is what ``jax.jacrev(fun, argnums)`` returns.
-    ``tag_jacs[name]`` has the output's pytree structure; each of its leaves
-    is the tagged value's pytree, each array of shape
-    ``output_leaf.shape + tag_shape`` (the tag's shape by the usual layout:
-    loop axes, vmap axes, its own shape). One forward pass; the pullback is
-    ``jax.vmap``-ed over the output's basis, as in ``jax.jacrev``.
+    One forward pass; the pullback is ``jax.vmap``-ed over the output's basis,
+    as in ``jax.jacrev``.
+
+    Args:
+        fun: the function; it calls ``jaxtrace.tag`` inside.
+        argnums: as in ``jax.jacrev``.
+        has_aux: ``fun`` returns ``(out, aux)``.
+        tags: which tags, as in ``value_and_grad``.
+        with_values: also return the forward values at the tags.
+
+    Returns:
+        A function that returns ``(jac, tag_jacs)``, or with ``has_aux``
+        ``((jac, tag_jacs), aux)``; ``with_values=True`` appends the values.
+        ``jac`` is what ``jax.jacrev(fun, argnums)`` returns; ``tag_jacs[name]``
+        has the output's pytree structure, each leaf the tagged value's pytree of
+        arrays of shape ``output_leaf.shape + tag_shape``.
+
+    Raises:
+        TypeError: as ``value_and_grad``.
+        TagError: as ``value_and_grad``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt

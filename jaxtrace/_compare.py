@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping, Union
 import jax
 import numpy as np
 
+from ._module_tags import path_name
+
 Layout = Union[str, Callable[[np.ndarray], Any]]
 Tolerance = Union[float, Mapping[str, float]]
 
@@ -57,13 +59,6 @@ def _is_float0(x) -> bool:
     return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
-def _key_name(key) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _is_leaf(x) -> bool:
     return hasattr(x, "detach") and hasattr(x, "cpu")  # torch tensors are leaves
 
@@ -90,7 +85,7 @@ def named_leaves(tree) -> dict:
         for path, leaf in flat:
             if leaf is None or _is_float0(leaf):
                 continue
-            out[".".join(_key_name(k) for k in path)] = leaf
+            out[path_name(path)] = leaf
     return out
 
 
@@ -111,7 +106,23 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """The result of ``compare``: prints as a table; ``.ok``; ``.assert_ok()``."""
+    """The result of ``compare``: prints as a table, one row per name.
+
+    Attributes:
+        rows: one ``Row`` per name found on both sides, in ``b``'s order.
+        only_a: the names found only in ``a``.
+        only_b: the names found only in ``b``.
+        rtol: the default relative tolerance (a row held to another says so).
+        atol: the default absolute tolerance.
+        labels: the two sides' names in the table.
+        strict: whether names on one side only make ``ok`` false.
+
+    Example:
+        >>> import numpy as np, jaxtrace as jt
+        >>> result = jt.compare({"w": np.ones(2)}, {"w": np.ones(2)})
+        >>> result.ok, [row.name for row in result.rows]
+        (True, ['w'])
+    """
 
     rows: tuple
     only_a: tuple
@@ -236,7 +247,7 @@ def _tolerances(kind: str, tol, default: float, names: list) -> Callable[[str], 
     unknown = [k for k in tol if k != "*" and k not in names and not any(fnmatch.fnmatchcase(n, k) for n in names)]
     if unknown:
         raise ValueError(
-            f"compare: {kind}= names {', '.join(repr(k) for k in unknown)}, which match no name in either "
+            f"jaxtrace.compare: {kind}= names {', '.join(repr(k) for k in unknown)}, which match no name in either "
             f"input. The names are: {', '.join(repr(n) for n in names)}. A key is a name or an fnmatch "
             'pattern ("blocks.*.attn.hook_pattern"); a tag on a pytree has one name per leaf ("attn[0]").'
         )
@@ -260,13 +271,13 @@ def _apply_layout(name: str, spec: Layout, value: np.ndarray, target_shape: tupl
         if spec == "reshape":
             if value.size != int(np.prod(target_shape)):
                 raise ValueError(
-                    f"compare: the layout 'reshape' for {name!r} cannot reshape {value.shape} to "
+                    f"jaxtrace.compare: the layout 'reshape' for {name!r} cannot reshape {value.shape} to "
                     f"{target_shape}: the sizes differ."
                 )
             return value.reshape(target_shape)
         if spec not in LAYOUTS:
             raise LayoutError(
-                f"compare: unknown layout {spec!r} for {name!r}. Use one of "
+                f"jaxtrace.compare: unknown layout {spec!r} for {name!r}. Use one of "
                 f"{', '.join(repr(k) for k in [*LAYOUTS, 'reshape'])}, or a function of the array."
             )
         return LAYOUTS[spec](value)
@@ -284,43 +295,43 @@ def compare(
     strict: bool = True,
     equal_nan: bool = False,
 ) -> Comparison:
-    """Compare two sets of named gradients (or any arrays) name by name.
+    """Compares two sets of named gradients (or any arrays) name by name.
 
-    ``a`` and ``b`` are dicts ``{name: array or pytree of arrays}`` (for
-    example ``tag_grads`` from ``jaxtrace.grad`` and the module gradients from
-    ``jaxtrace.torch.grad``), or pytrees such as an equinox model's gradients,
-    named by dotted paths (see ``named_leaves``). NumPy, JAX and torch arrays
-    are accepted. For each name in both, the result has the shapes, the
-    largest absolute error ``max |a - b|`` and the error relative to ``b``'s
-    scale ``max |a - b| / max |b|``. A name passes when the shapes agree and
-    ``max |a - b| <= atol + rtol * max |b|``, both taken over the entries
-    that are finite; infinities must match in position and sign, and ``nan``
-    fails unless ``equal_nan=True`` and the ``nan``s are at the same places.
-    ``rtol`` and ``atol`` are numbers for every name, or mappings from names
-    (or ``fnmatch`` patterns) to a tolerance for those names, the others
-    keeping the defaults (``1e-5`` and ``1e-8``; a ``"*"`` key changes them; an exact name wins over a pattern,
-    and patterns are tried in order): ``rtol={"blocks.0.attn.hook_pattern":
-    1e-8}``. A key that matches no name on either side is an error that
-    lists the names. Names found on
-    one side only are listed, and with ``strict=True`` make ``.ok`` false.
-    Rows follow ``b``'s order (the reference: for ``jaxtrace.torch`` results,
-    the order in which the modules ran; ``jax.jit`` returns dicts with sorted
-    keys).
+    A name passes when the shapes agree and ``max |a - b| <= atol + rtol * max
+    |b|`` over the finite entries; infinities must match in position and sign.
+    Rows follow ``b``'s order (the reference). The rules for per-name
+    tolerances, layouts and row order are in the guide *Checking against PyTorch*.
 
-    ``layout`` converts ``b``'s value into ``a``'s layout before comparing: a
-    dict from names (or ``fnmatch`` patterns such as ``"conv*"``) to a function
-    of the array or one of the names ``"NCHW->NHWC"``, ``"NHWC->NCHW"``,
-    ``"NCH->NHC"``, ``"NHC->NCH"`` (acting on the trailing axes),
-    ``"transpose"`` (swap the last two axes: a Linear weight ``(out, in)``
-    against a Dense kernel ``(in, out)``) or ``"reshape"`` (to ``a``'s shape);
-    or a function ``(name, array) -> array`` used for every name.
+    Args:
+        a: ``{name: array or pytree of arrays}`` (``tag_grads`` from
+            ``jaxtrace.grad``, ``module_grads`` from ``jaxtrace.torch.grad``), or a
+            pytree such as an equinox model's gradients, named by dotted paths.
+            NumPy, JAX and torch arrays are accepted.
+        b: the reference, in the same form.
+        rtol: the relative tolerance: a number, or ``{name or fnmatch pattern:
+            tolerance}`` (``"*"`` changes the default, an exact name wins over a
+            pattern); a key that matches no name is an error.
+        atol: the absolute tolerance, in the same form.
+        layout: converts ``b``'s value into ``a``'s layout first:
+            ``{name or pattern: function or one of "NCHW->NHWC", "NHWC->NCHW",
+            "NCH->NHC", "NHC->NCH", "transpose", "reshape"}``, or a function
+            ``(name, array) -> array`` for every name.
+        labels: the two sides' names in the printed table.
+        strict: names found on one side only make ``.ok`` false.
+        equal_nan: ``nan`` passes where both sides have it at the same places.
 
-    Returns a ``Comparison``: ``print`` it for a table; ``.ok`` says whether
-    everything matched, ``.assert_ok()`` raises with the table if not. The
-    table ends with the verdict (how many names match, how many are on one
-    side only) and, when something failed, a ``failed:`` line with each
-    failed name and why: the error against what was allowed, the two
-    shapes, or the ``nan`` / infinity that did not match.
+    Returns:
+        A ``Comparison``: ``print`` it for a table; ``.ok`` says whether
+        everything matched, ``.assert_ok()`` raises with the table if not. The
+        table ends with the verdict (how many names match, how many are on one
+        side only) and, when something failed, a ``failed:`` line with each
+        failed name and why (the error against what was allowed, the two
+        shapes, or the ``nan`` / infinity that did not match).
+
+    Raises:
+        ValueError: if a key of ``rtol`` / ``atol`` / ``layout`` matches no name,
+            or a layout cannot apply to a value.
+        TypeError: if ``labels`` is not a pair of strings.
 
     Example:
         >>> import numpy as np, jaxtrace as jt
@@ -331,7 +342,7 @@ def compare(
         ([], ('extra',), False)
     """
     if not (isinstance(labels, (tuple, list)) and len(labels) == 2):
-        raise TypeError(f"compare: labels must be a pair of strings such as ('jax', 'torch'), got {labels!r}.")
+        raise TypeError(f"jaxtrace.compare: labels must be a pair of strings such as ('jax', 'torch'), got {labels!r}.")
     flat_a, flat_b = named_leaves(a), named_leaves(b)
     names = [*flat_b, *(n for n in flat_a if n not in flat_b)]
     rtol_of = _tolerances("rtol", rtol, DEFAULT_RTOL, names)

@@ -14,19 +14,25 @@ import os
 from typing import Any, Sequence
 
 import jax
-from jax._src import core as _core
-from jax._src import source_info_util as _source_info_util
-from jax._src.interpreters import ad as _ad
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import mlir as _mlir
+import jax.core
+from jax.extend import core as _extend_core
+from jax.interpreters import ad as _public_ad
+from jax.interpreters import batching as _public_batching
+from jax.interpreters import mlir as _public_mlir
 
-Primitive = _core.Primitive
-Tracer = _core.Tracer
-Literal = _core.Literal
+# What has no public spelling at both ends of the supported range (JAX 0.7.2 to 0.12).
+from jax._src import core as _core  # DropVar: jax.core's until 0.10 (deprecated), jax.extend.core's from 0.11
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import ad as _ad  # the linearize rules and LinearizeTracer
+from jax._src.interpreters import batching as _batching  # moveaxis, not_mapped: gone from the public module
+
+Primitive = _extend_core.Primitive
+Tracer = jax.core.Tracer
+Literal = _extend_core.Literal
 DropVar = _core.DropVar
-Jaxpr = _core.Jaxpr
-ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
-Zero = _ad.Zero
+Jaxpr = _extend_core.Jaxpr
+ClosedJaxpr = _extend_core.ClosedJaxpr  # since JAX 0.11 the same class as Jaxpr
+Zero = _public_ad.Zero
 not_mapped = getattr(_batching, "not_mapped", None)  # None since JAX 0.4.x
 float0 = jax.dtypes.float0
 
@@ -80,13 +86,13 @@ def define_primitive(
     prim.multiple_results = multiple_results
     prim.def_impl(impl)
     prim.def_abstract_eval(abstract_eval)
-    _ad.primitive_jvps[prim] = jvp
+    _public_ad.primitive_jvps[prim] = jvp
     if linearize is not None and _LINEARIZE_LAYOUT is not None:
         _LINEARIZATIONS[prim] = _adapt_linearize(linearize, *_LINEARIZE_LAYOUT)
-    _batching.primitive_batchers[prim] = batch
-    _mlir.register_lowering(prim, lowering)
+    _public_batching.primitive_batchers[prim] = batch
+    _public_mlir.register_lowering(prim, lowering)
     if transpose is not None:
-        _ad.primitive_transposes[prim] = transpose
+        _public_ad.primitive_transposes[prim] = transpose
     if jet is not None:
         from jax.experimental import jet as _jet  # imported here: only primitives with a jet rule need it
 
@@ -207,7 +213,7 @@ def jaxpr_and_consts(jaxpr) -> tuple[Any, Sequence[Any]]:
     Since JAX 0.11 ``ClosedJaxpr`` is an alias of ``Jaxpr``, which carries its
     consts and whose ``.jaxpr`` is itself; the first branch covers both.
     """
-    if ClosedJaxpr is not None and isinstance(jaxpr, ClosedJaxpr):
+    if isinstance(jaxpr, ClosedJaxpr):
         return jaxpr.jaxpr, jaxpr.consts
     if isinstance(jaxpr, Jaxpr):
         return jaxpr, list(getattr(jaxpr, "consts", ()) or ())
@@ -285,7 +291,7 @@ def construct(eqn, bodies=None) -> str:
     e.g. ``custom_vjp_call`` of ``_odeint at .../ode.py:193``, at ``model.py:12 (f)``."""
     text = f"`{eqn.primitive.name}`"
     for body in sub_jaxprs(eqn.params) if bodies is None else bodies:
-        body = body.jaxpr if ClosedJaxpr is not None and isinstance(body, ClosedJaxpr) else body
+        body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
         src = getattr(getattr(body, "debug_info", None), "func_src_info", None)
         if src:
             text += f" of {src}"
@@ -300,7 +306,7 @@ def sub_jaxprs(params: dict) -> list[Any]:
     for value in params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)
         for item in items:
-            if isinstance(item, Jaxpr) or (ClosedJaxpr is not None and isinstance(item, ClosedJaxpr)):
+            if isinstance(item, (Jaxpr, ClosedJaxpr)):
                 found.append(item)
     return found
 

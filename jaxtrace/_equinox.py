@@ -17,24 +17,28 @@ serialisation are those of the original model.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import sys
 from typing import Any, Callable, cast
 
 import equinox as eqx
-import jax
 import jax.tree_util as jtu
 
 from . import stats as jt_stats
 from ._ad import value_and_grad
+from ._module_tags import (
+    ModuleTag,
+    Where,
+    base_class,
+    choose,
+    is_callable_module,
+    is_key,
+    join,
+    key_name,
+    tag_inputs,
+    tag_leaves,
+    tagged_subclass,
+)
 from ._sites import TagSelection, check_callable, check_tags
-from ._tag import tag
-from ._module_calls import tag_inputs
 from ._stats_option import stat_names
-from ._where import Where, choose
-
-
-INPUT_SUFFIX = ":in"
 
 
 # --- filter_grad / filter_value_and_grad --------------------------------------
@@ -116,18 +120,27 @@ def filter_value_and_grad(
     Differentiates with respect to the inexact (floating or complex) arrays of
     the first argument; ``grads`` has ``None`` at every other leaf, exactly as
     ``eqx.filter_grad`` gives it, so the model may hold functions
-    (``eqx.nn.Lambda``), strings and other non-arrays. Returns
-    ``(value, (grads, tag_grads))``, or with ``has_aux``
-    ``((value, aux), (grads, tag_grads))``. ``tags`` selects tags as in
-    ``jaxtrace.value_and_grad``; ``with_values=True`` appends the forward
-    values at the tags, ``(value, (grads, tag_grads), tag_values)``, as there.
+    (``eqx.nn.Lambda``), strings and other non-arrays.
 
-    ``stats=True`` (or statistic names, ``stats="norm"``) reduces each tag's
-    gradient inside the traced function, as ``jaxtrace.stats.value_and_grad``
-    does: ``tag_grads`` becomes ``{name: {stat: array}}`` with each tag's loop
-    axes kept, one value per layer of a ``lax.scan`` over layers and per step
-    of a recurrent cell, with no ``loop_axes`` to pass. With ``with_values``
-    the values are summarised the same way.
+    Args:
+        fun: the function; its first argument (by position) is differentiated.
+        has_aux: ``fun`` returns ``(value, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        with_values: also return the forward values at the tags, from the same pass.
+        stats: ``True`` or statistic names (``"norm"``): reduce each tag's gradient
+            inside the traced function, as ``jaxtrace.stats.value_and_grad`` does,
+            keeping each tag's loop axes (one value per layer of a ``lax.scan`` over
+            layers, per step of a recurrent cell); values too, with ``with_values``.
+
+    Returns:
+        A function that returns ``(value, (grads, tag_grads))``, or with
+        ``has_aux`` ``((value, aux), (grads, tag_grads))``; ``with_values=True``
+        appends ``tag_values``. With ``stats=``, ``tag_grads`` is
+        ``{name: {stat: array}}``.
+
+    Raises:
+        TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind;
+            when called, if the first argument is passed by keyword.
 
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
@@ -153,9 +166,20 @@ def filter_grad(
 ) -> Callable:
     """Like ``eqx.filter_grad``, and also the gradients at the tags in ``fun``.
 
-    Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
-    ``with_values=True`` appends the values at the tags, ``(grads, tag_grads,
-    tag_values)``; ``stats=`` summarises per tag. See ``filter_value_and_grad``.
+    Args:
+        fun: the function; its first argument (by position) is differentiated.
+        has_aux: ``fun`` returns ``(value, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        with_values: also return the forward values at the tags.
+        stats: summarise per tag, as in ``filter_value_and_grad``.
+
+    Returns:
+        A function that returns ``(grads, tag_grads)``, or with ``has_aux``
+        ``((grads, tag_grads), aux)``; ``with_values=True`` appends
+        ``tag_values``; see ``filter_value_and_grad``.
+
+    Raises:
+        TypeError: as ``filter_value_and_grad``.
 
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
@@ -189,12 +213,11 @@ class HookPoint(eqx.Module):
     keeps its hook names (``"blocks.0.attn.hook_z"``) in ``tag_grads`` and in
     ``jt.capture``. Untagged, it costs nothing.
 
-    A hook point that fires several times in one call (TransformerLens's
-    ``ln1`` runs once each for the query, key and value inputs) gives its calls
-    stacked on a leading axis in call order; TransformerLens's
-    ``run_with_cache`` keeps only the last call, which is ``[-1]`` of the
-    stacked activations (its ``"_grad"`` entries keep the last to fire in the
-    backward pass, which is the first call, ``[0]``).
+    A hook point that fires several times in one call gives its calls stacked
+    on a leading axis in call order (the guide *Coming from TransformerLens*
+    says which entry ``run_with_cache`` keeps).
+
+    Takes no arguments; its call returns its argument.
 
     Example:
         >>> import equinox as eqx, jax.numpy as jnp, jaxtrace as jt
@@ -213,22 +236,14 @@ class HookPoint(eqx.Module):
         return x
 
 
-# --- tag_modules ------------------------------------------------------------
+# --- tag_modules (the equinox case; jaxtrace.tag_modules in _module_tags dispatches here) ---------
 
 
-@dataclasses.dataclass(frozen=True)
-class _ModuleTag:
-    """What a tagged module tags: its output as ``path``, its inputs as ``path + ':in'``."""
-
-    path: str
-    inputs: bool
+_ModuleTag = ModuleTag  # the spec's old name: pickles of tagged models made before it moved name it
 
 
 def _taggable(x) -> bool:
-    # jax.dtypes.issubdtype is public; JAX re-exports it without `as`, which the checker reads as private.
-    return eqx.is_array(x) and not jax.dtypes.issubdtype(  # pyright: ignore[reportPrivateImportUsage]
-        x.dtype, jax.dtypes.prng_key
-    )
+    return eqx.is_array(x) and not is_key(x)
 
 
 def _is_state(x) -> bool:
@@ -237,10 +252,7 @@ def _is_state(x) -> bool:
 
 def _tag_arrays(value, name: str):
     """Tags the (non-key) array leaves of ``value``; other leaves and ``State``s pass through."""
-    dynamic, static = eqx.partition(value, _taggable, is_leaf=_is_state)
-    if not jtu.tree_leaves(dynamic):
-        return value
-    return eqx.combine(tag(dynamic, name, repeated=True), static)
+    return tag_leaves(value, name, taggable=_taggable, is_leaf=_is_state)
 
 
 def _tag_output(out, name: str):
@@ -257,10 +269,6 @@ _TAG_FIELD = "_jaxtrace_tag"
 _SUBCLASSES: dict = {}  # base class -> its tagged subclass (classes live for the session anyway)
 
 
-def _base_class(cls: type) -> type:
-    return cls.__dict__.get("_jaxtrace_base", cls)
-
-
 def _restore(base: type, fields: dict):
     module = object.__new__(_tagged_class(base))
     module.__dict__.update(fields)
@@ -268,48 +276,25 @@ def _restore(base: type, fields: dict):
 
 
 def _tagged_class(base: type) -> type:
-    """The subclass of ``base`` whose ``__call__`` tags; one per class."""
-    base = _base_class(base)
+    """The subclass of ``base`` whose ``__call__`` tags; one per class, the spec in a static field."""
+    base = base_class(base)
     cls = _SUBCLASSES.get(base)
-    if cls is not None:
-        return cls
-
-    def __call__(self, *args, **kwargs):
-        spec = self.__dict__.get(_TAG_FIELD)
-        if spec is None:
-            return base.__call__(self, *args, **kwargs)
-        if spec.inputs:
-            args = _tag_inputs(args, spec.path + INPUT_SUFFIX)
-        return _tag_output(base.__call__(self, *args, **kwargs), spec.path)
-
-    def __reduce__(self):  # pickle and copy: rebuild the subclass from its base
-        return _restore, (base, dict(self.__dict__))
-
-    namespace = {
-        # Printed models look as before (equinox prints ``__name__``); the class
-        # itself says where it comes from: <class 'jaxtrace._equinox.Linear'>.
-        "__module__": __name__,
-        "__qualname__": base.__qualname__,
-        "__doc__": f"{base.__qualname__} whose calls are tagged by jaxtrace.tag_modules.\n\n{base.__doc__ or ''}",
-        "__annotations__": {_TAG_FIELD: _ModuleTag},
-        _TAG_FIELD: eqx.field(static=True, repr=False, default=None),
-        "_jaxtrace_base": base,
-        "__call__": functools.wraps(base.__call__)(__call__),
-        "__reduce__": __reduce__,
-    }
-    cls = _SUBCLASSES[base] = type(base)(base.__name__, (base,), namespace)
+    if cls is None:
+        cls = _SUBCLASSES[base] = tagged_subclass(
+            base,
+            spec_of=lambda module: module.__dict__.get(_TAG_FIELD),
+            tag_inputs=_tag_inputs,
+            tag_output=_tag_output,
+            reduce=lambda module: (_restore, (base, dict(module.__dict__))),
+            namespace={
+                # The class says where it comes from: <class 'jaxtrace._equinox.Linear'> (equinox prints __name__).
+                "__module__": __name__,
+                "__doc__": f"{base.__qualname__} whose calls are tagged by jaxtrace.tag_modules.\n\n{base.__doc__ or ''}",
+                "__annotations__": {_TAG_FIELD: ModuleTag},
+                _TAG_FIELD: eqx.field(static=True, repr=False, default=None),
+            },
+        )
     return cls
-
-
-def _key_name(key) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)  # pragma: no cover - every jax key type has one of the above
-
-
-def _join(prefix: str, *names: str) -> str:
-    return ".".join(n for n in (prefix, *names) if n != "")
 
 
 def _children(module: eqx.Module, path: str):
@@ -318,18 +303,19 @@ def _children(module: eqx.Module, path: str):
         if f.metadata.get("static", False) or f.name not in module.__dict__:
             continue
         # eqx.nn.Sequential's layers are named "0", "1", ... like torch.nn.Sequential's.
-        prefix = path if isinstance(module, eqx.nn.Sequential) and f.name == "layers" else _join(path, f.name)
+        prefix = path if isinstance(module, eqx.nn.Sequential) and f.name == "layers" else join(path, f.name)
         yield f.name, module.__dict__[f.name], prefix
 
 
-def _is_module(x) -> bool:
+def is_module(x) -> bool:
+    """Whether ``x`` is an equinox module."""
     return isinstance(x, eqx.Module)
 
 
 def _submodules(value, prefix: str):
     """``(path, module)`` for the modules directly inside the pytree ``value`` (not their children)."""
-    found = jtu.tree_flatten_with_path(value, is_leaf=_is_module)[0]
-    return [(_join(prefix, *map(_key_name, p)), x) for p, x in found if _is_module(x)]
+    found = jtu.tree_flatten_with_path(value, is_leaf=is_module)[0]
+    return [(join(prefix, *map(key_name, p)), x) for p, x in found if is_module(x)]
 
 
 def _named_modules(module: eqx.Module, path: str = ""):
@@ -340,11 +326,6 @@ def _named_modules(module: eqx.Module, path: str = ""):
             yield from _named_modules(sub, sub_path)
 
 
-def _callable(module) -> bool:
-    # Not ``callable(type(module).__call__)``: that finds the metaclass's ``__call__``.
-    return any("__call__" in vars(k) for k in type(module).__mro__[:-1])
-
-
 def _rebuild(module: eqx.Module, path: str, specs: dict) -> eqx.Module:
     replaced = {}
     for name, value, prefix in _children(module, path):
@@ -352,7 +333,7 @@ def _rebuild(module: eqx.Module, path: str, specs: dict) -> eqx.Module:
         if not subs:
             continue
         paths = iter(subs)
-        new = jtu.tree_map(lambda x: _rebuild(x, next(paths), specs) if _is_module(x) else x, value, is_leaf=_is_module)
+        new = jtu.tree_map(lambda x: _rebuild(x, next(paths), specs) if is_module(x) else x, value, is_leaf=is_module)
         replaced[name] = new
     spec = specs.get(path)
     if spec is None and not replaced:
@@ -366,77 +347,9 @@ def _rebuild(module: eqx.Module, path: str, specs: dict) -> eqx.Module:
     return out
 
 
-def tag_modules(model: eqx.Module, where: Where = None, *, inputs: bool = False) -> eqx.Module:
-    """A copy of ``model`` whose submodules tag their outputs, named as in PyTorch.
-
-    Each selected module's ``__call__`` output is tagged (``jaxtrace.tag``)
-    under its dotted path in the style of ``torch.nn.Module.named_modules()``:
-    attribute names joined by dots, list and tuple entries by their index, dict
-    entries by their key (``"layers.0"``, ``"blocks.1.attn"``), the children of
-    an ``eqx.nn.Sequential`` by their index alone (``"0"``, ``"1"``, as in
-    ``torch.nn.Sequential``), and the root module ``""``. With ``inputs=True``
-    the positional array arguments are tagged too, as ``"<path>:in"``
-    (``"layers.0:in"``; the root's is ``":in"``): one argument is tagged as it
-    is, several as a tuple. A ``(output, state)`` return with an
-    ``eqx.nn.State`` (``BatchNorm``, stateful ``Sequential``s) tags ``output``;
-    ``State`` arguments and keyword arguments (PRNG keys) are never tagged.
-    Other outputs are tagged whole, as pytrees of their array leaves.
-
-    A module called several times (weight sharing, a cell in a Python loop)
-    gives its calls stacked on a leading axis in call order, as PyTorch hooks
-    fire once per call; calls inside ``lax.scan`` are stacked per iteration.
-
-    ``where`` selects modules: ``None`` (every module with a ``__call__``,
-    root included), a list of paths, a class or tuple of classes (the modules
-    that are instances: ``jt.tag_modules(model, jt.HookPoint)`` tags the hook
-    points only), or a predicate ``(path, module) -> bool``.
-    ``model`` itself is not changed; the new model has the same parameters in
-    the same order (so gradients, optimiser states, ``eqx.filter_jit`` and
-    ``eqx.tree_serialise_leaves`` files are interchangeable with the
-    original's), and its modules are instances of subclasses of the original
-    classes, so attribute access and ``isinstance`` work as before. Only
-    ``__call__`` is tagged, not other methods.
-
-    A Flax NNX model (an ``nnx.Module``) is handled the same way: names are
-    attribute paths joined by dots, ``nnx.List`` and list entries by index, an
-    ``nnx.Sequential``'s children by index alone (``"0"``, ``"2"``); calls
-    inside ``nnx.scan`` are stacked per step. The result is a clone (new
-    ``Variable`` objects holding the same arrays; changing one model does not
-    change the other) whose selected modules are instances of subclasses of
-    their classes, so ``nnx.state`` of both are equal trees, and states,
-    optimizer states and checkpoints are interchangeable; it works inside
-    ``nnx.jit``, ``nnx.grad``, ``nnx.scan``, ``nnx.vmap``, and with
-    ``jaxtrace.grad`` on the module itself or on ``nnx.split`` state. Flax is
-    never imported by jaxtrace for this: a Flax model means Flax is loaded.
-    For Linen see ``jaxtrace.flax.tag_modules``; an example for each is in
-    ``jaxtrace.flax``.
-
-    Example:
-        >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
-        >>> mlp = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
-        >>> model = jt.tag_modules(mlp, ["layers.0", "layers.1"], inputs=True)
-        >>> grads, tag_grads = jt.filter_grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones(3))
-        >>> {name: g.shape for name, g in tag_grads.items()}
-        {'layers.0:in': (3,), 'layers.0': (8,), 'layers.1:in': (8,), 'layers.1': (8,)}
-    """
-    nnx = sys.modules.get("flax.nnx")  # never imported here: a Flax model means Flax is loaded
-    if nnx is not None and isinstance(model, nnx.Module):
-        from .flax._nnx import tag_modules as nnx_tag_modules
-
-        # an nnx.Module: the annotations here name equinox's types, the nnx ones are in _nnx
-        return cast(Any, nnx_tag_modules(cast(Any, model), cast(Any, where), inputs=inputs))
-    linen = sys.modules.get("flax.linen")
-    if linen is not None and isinstance(model, linen.Module):
-        raise TypeError(
-            "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
-            "they are tagged while they run: `with jaxtrace.flax.tag_modules(): "
-            "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`."
-        )
-    if not isinstance(model, eqx.Module):
-        raise TypeError(
-            f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
-            "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
-        )
-    chosen = choose([(p, m) for p, m in _named_modules(model) if _callable(m)], where)
-    specs = {p: _ModuleTag(p, bool(inputs)) for p in chosen}
+def tag_equinox(model: eqx.Module, where: Where = None, *, inputs: bool = False) -> eqx.Module:
+    """The equinox case of ``jaxtrace.tag_modules``: a copy whose selected modules are tagged subclasses."""
+    candidates = [(p, m) for p, m in _named_modules(model) if is_callable_module(m)]
+    chosen = choose(candidates, where, "jaxtrace.tag_modules")
+    specs = {p: ModuleTag(p, bool(inputs)) for p in chosen}
     return _rebuild(model, "", specs)

@@ -14,14 +14,24 @@ from ._split import Split, is_array, keep
 
 
 def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
-    """Run ``fun`` and also return the values at its tags.
+    """Runs ``fun`` and also returns the values at its tags.
 
-    Returns a function with ``fun``'s signature that returns
-    ``(out, tag_values)``, with ``tag_values = {name: value}`` laid out as the
-    gradients are (loop axes, then vmap axes, then the value's shape). In a
-    cond, a branch not taken gives zeros. Array arguments are traced; other
-    arguments (Python numbers, strings) stay static. The tags stay in place,
-    so ``jaxtrace.grad`` of a captured function still sees them.
+    Values are laid out as the gradients are (loop axes, then vmap axes, then
+    the value's shape); in a ``cond``, a branch not taken gives zeros. Array
+    arguments are traced; other arguments (Python numbers, strings) stay static.
+    The tags stay in place, so ``jaxtrace.grad`` of a captured function still sees them.
+
+    Args:
+        fun: the function; it calls ``jaxtrace.tag`` inside.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+
+    Returns:
+        A function with ``fun``'s signature that returns ``(out, tag_values)``,
+        ``tag_values`` being ``{name: value}``.
+
+    Raises:
+        TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind.
+        TagError: when called, if a name in ``tags`` is not a tag of ``fun``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -46,8 +56,19 @@ def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
 def jvp(fun: Callable, primals, tangents, *, tags: TagSelection = None):
     """Like ``jax.jvp``, and also the tangents at the tags.
 
-    Returns ``(out, out_tangent, tag_tangents)``; ``tag_tangents`` is
-    ``{name: tangent at the tagged value}`` (float0 for integer tags).
+    Args:
+        fun: the function; it calls ``jaxtrace.tag`` inside.
+        primals: the point, a tuple as for ``jax.jvp``.
+        tangents: the tangent at that point, a tuple of the same structure.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+
+    Returns:
+        ``(out, out_tangent, tag_tangents)``; ``tag_tangents`` is ``{name:
+        tangent at the tagged value}`` (``float0`` for integer tags).
+
+    Raises:
+        TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind.
+        TagError: if a name in ``tags`` is not a tag of ``fun``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -71,13 +92,25 @@ def jvp(fun: Callable, primals, tangents, *, tags: TagSelection = None):
 def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
     """``fun`` with the values at some tags replaced.
 
-    ``replacements`` maps a tag name to a value (the tag's structure, shape
-    and dtype, with loop and vmap axes: a stacked value patches step by step)
-    or to a function ``value -> new value``, applied to each array of the
-    tagged value. A value cuts the gradient upstream of the tag; a function
-    keeps it (``lambda v: 0.5 * v`` also halves the gradient). The tags stay
-    in place, so the patched function composes with ``jaxtrace.grad``,
-    ``capture`` (which then sees the new values), ``jax.jit`` and ``jax.vmap``.
+    A value cuts the gradient upstream of the tag; a function keeps it
+    (``lambda v: 0.5 * v`` also halves the gradient). The tags stay in place, so
+    the patched function composes with ``jaxtrace.grad``, ``capture`` (which then
+    sees the new values), ``jax.jit`` and ``jax.vmap``.
+
+    Args:
+        fun: the function; it calls ``jaxtrace.tag`` inside.
+        replacements: ``{tag name: new value}`` (the tag's structure, shape and
+            dtype, with its loop and vmap axes: a stacked value patches step by
+            step) or ``{tag name: function value -> new value}``, applied to each
+            array of the tagged value.
+
+    Returns:
+        A function with ``fun``'s signature and outputs.
+
+    Raises:
+        TypeError: if a key of ``replacements`` is not a string.
+        TagError: when called, if a name is not a tag of ``fun``, or a replacement
+            value has another structure, shape or dtype than the tag.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt

@@ -5,5 +5,5 @@ and the spec it passes: pickles made before the move name ``jaxtrace._nnx._resto
 and ``jaxtrace._nnx._ModuleTag``, and still load.
 """
 
-from .flax._nnx import ModuleTag as _ModuleTag  # noqa: F401
+from ._module_tags import ModuleTag as _ModuleTag  # noqa: F401
 from .flax._nnx import restore as _restore  # noqa: F401

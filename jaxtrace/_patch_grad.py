@@ -112,18 +112,26 @@ def _hook(leaves: list, *, fn, with_values: bool, tree, name: str, where: str, b
 def patch_grad(fun: Callable, fns: Mapping[str, Callable], *, with_values: bool = False) -> Callable:
     """``fun`` whose reverse-mode derivatives see ``fn(g)`` in place of the cotangent ``g`` at a tag.
 
-    ``fns`` maps tag names to functions. The returned function has ``fun``'s
-    signature and outputs and is unchanged in the forward pass; under
-    ``jax.grad``, ``jax.vjp``, ``jax.jacrev``, ``jt.grad`` and friends, the
-    cotangent that arrives at each named tag is replaced by ``fn(g)``
-    (``fn(g, value)`` with ``with_values=True``, ``value`` being the tagged
-    forward value) before it flows on. ``fn`` gets and returns the tag's
-    pytree, with its shapes and dtypes; in a ``lax.scan`` it is applied at
-    each step, under a ``jax.vmap`` (inside ``fun`` or around it) to one
-    example's cotangent. ``jt.grad`` of the patched function reports, at a
-    patched tag, the cotangent that *arrives* there (before ``fn``); the tags
-    and leaves upstream see the changed one. Forward mode (``jax.jvp``) sees
-    the tangents unchanged.
+    The forward pass is unchanged; under ``jax.grad``, ``jax.vjp``,
+    ``jax.jacrev``, ``jt.grad`` and friends the cotangent that arrives at each
+    named tag is replaced by ``fn(g)`` before it flows on: in a ``lax.scan`` at
+    each step, under a ``jax.vmap`` for one example. ``jt.grad`` of the patched
+    function reports, at a patched tag, the cotangent that *arrives* there; the
+    tags and leaves upstream see the changed one. ``jax.jvp`` sees the tangents unchanged.
+
+    Args:
+        fun: the function; it calls ``jaxtrace.tag`` inside.
+        fns: ``{tag name: fn}``; ``fn`` gets and returns the tag's pytree, with
+            its shapes and dtypes.
+        with_values: call ``fn(g, value)``, ``value`` being the tagged forward value.
+
+    Returns:
+        A function with ``fun``'s signature and outputs.
+
+    Raises:
+        TypeError: if ``fns`` does not map strings to functions.
+        TagError: when differentiated, if a name is not a tag of ``fun`` or ``fn``
+            returns another structure, shape or dtype.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt

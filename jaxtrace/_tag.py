@@ -117,17 +117,26 @@ _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 def tag(value: T, name: str, *, repeated: bool = False) -> T:
-    """Mark ``value`` (any pytree of arrays) as a capture site called ``name``.
+    """Marks ``value`` (any pytree of arrays) as a capture site called ``name``.
 
-    ``tag`` returns ``value`` unchanged. ``jaxtrace.grad`` and friends return
-    the gradient at every tagged value in a dict keyed by ``name``, with the
-    value's pytree structure, shapes and dtypes.
-
+    ``jaxtrace.grad`` and friends return the gradient at every tagged value in a
+    dict keyed by ``name``, with the value's pytree structure, shapes and dtypes.
     Each name marks one site. A tag in a loop (``lax.scan``, ``fori_loop``,
-    ``lax.map``) is one site with a leading axis per loop. To call the same
-    tagged code several times on purpose (a shared block in a Python loop),
-    pass ``repeated=True``: the calls are stacked on a leading axis in call
-    order, as a scan would stack them.
+    ``lax.map``) is one site with a leading axis per loop.
+
+    Args:
+        value: the value to mark.
+        name: the site's name, the key of its entry in the results.
+        repeated: the same tagged code runs several times on purpose (a shared
+            block in a Python loop): the calls are stacked on a leading axis in
+            call order, as a scan would stack them.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        TypeError: if ``name`` is not a string or a leaf of ``value`` is not an array.
+        ValueError: if ``value`` holds no arrays.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt

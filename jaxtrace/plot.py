@@ -79,6 +79,16 @@ def grad_flow(
     reduced over them by root-sum-of-squares for ``norm`` (the norm of the
     whole stacked gradient) and by max / mean otherwise.
 
+    Args:
+        history: a ``jaxtrace.stats.History``.
+        stat: the statistic of the curves.
+        names: the tags to draw, in order (default: all).
+        title: the figure's title.
+        path: where to save the figure too (any format matplotlib writes).
+
+    Returns:
+        The matplotlib ``Figure``.
+
     Example:
         >>> import numpy as np, jaxtrace as jt
         >>> from jaxtrace import plot
@@ -168,6 +178,16 @@ def timestep_norms(
     ``(T, B)`` (per step and example, ``per_example=True``): then the median
     over examples is drawn, with the ``band`` percentiles shaded.
 
+    Args:
+        norms: ``{label: array of shape (T,) or (T, B)}``.
+        title: the figure's title.
+        ylabel: the y axis label.
+        band: the percentiles shaded for ``(T, B)`` arrays.
+        path: where to save the figure too (any format matplotlib writes).
+
+    Returns:
+        The matplotlib ``Figure``.
+
     Example:
         >>> import numpy as np
         >>> from jaxtrace import plot
@@ -224,6 +244,20 @@ def overlay(
     drawn on the scale [0, its own max], or [0, ``vmax``] for all maps when
     ``vmax`` is given (to compare maps); ``None`` shows the image alone. Panels fill
     rows of ``ncols`` (default: all in one row, at most 6).
+
+    Args:
+        images: one image or a sequence.
+        heatmaps: one per image (``None``: the image alone).
+        titles: one title per panel.
+        ncols: panels per row.
+        alpha: the heatmaps' opacity.
+        cmap: the heatmaps' colour map.
+        vmax: one colour scale ``[0, vmax]`` for all maps.
+        size: each panel's size in inches.
+        path: where to save the figure too (any format matplotlib writes).
+
+    Returns:
+        The matplotlib ``Figure``.
 
     Example:
         >>> import numpy as np
@@ -287,6 +321,16 @@ def paths(
     Rows are tags (in ``tags`` order, else the table's), columns are terms.
     A cell that is exactly zero (the term does not reach the tag: a detached
     path) is grey and marked with a cross, apart from the colour scale.
+
+    Args:
+        table: what ``jt.stats.summarize(tag_jacs, terms=...)`` returns.
+        stat: the statistic to show.
+        tags: the rows, in order (default: the table's).
+        title: the figure's title.
+        path: where to save the figure too (any format matplotlib writes).
+
+    Returns:
+        The matplotlib ``Figure``.
 
     Example:
         >>> import numpy as np

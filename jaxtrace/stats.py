@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ad
-from ._sites import TagSelection, check_callable, check_tags
+from ._ad import value_and_grad_with_sites as _value_and_grad_with_sites
+from ._module_tags import path_name as _path_name
+from ._sites import TagSelection, check_callable
 
 STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
 """The statistics :func:`summarize` computes by default (all it knows)."""
@@ -89,6 +90,21 @@ def summarize(
     means the term does not reach the tag at all (:func:`format_paths`
     marks it).
 
+    Args:
+        values: ``{name: pytree of arrays}``, such as ``tag_grads``, or the
+            ``tag_jacs`` of ``jaxtrace.jacrev`` with ``terms``.
+        loop_axes: how many leading axes of each tag to keep: an int, a dict
+            ``{name: int}`` (missing names: 0) or a function of the name.
+        stats: one name from ``STATS``, or a sequence of them.
+        terms: the function's output (or ``jax.eval_shape`` of it), to summarise
+            ``tag_jacs`` per output leaf.
+
+    Returns:
+        ``{name: {stat: array}}``, or with ``terms`` ``{name: {term: {stat: array}}}``.
+
+    Raises:
+        ValueError: if a name in ``stats`` is not in ``STATS``.
+
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
         >>> s = jt.stats.summarize({"h": jnp.array([[3.0, -4.0], [0.0, jnp.inf]])}, loop_axes=1)
@@ -107,16 +123,20 @@ def summarize(
 
 
 def term_name(path) -> str:
-    """A term's name from its path in the output: ``"ce"``, ``"losses.0"``, ``""`` for the root."""
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
+    """A term's name from its path in the output: ``"ce"``, ``"losses.0"``, ``""`` for the root.
+
+    Args:
+        path: a pytree path, as ``jax.tree_util.tree_flatten_with_path`` gives it.
+
+    Returns:
+        The keys, attribute names and indices of ``path`` joined by dots.
+
+    Example:
+        >>> import jax, jaxtrace as jt
+        >>> [jt.stats.term_name(p) for p, _ in jax.tree_util.tree_flatten_with_path({"ce": 1.0, "losses": [2.0]})[0]]
+        ['ce', 'losses.0']
+    """
+    return _path_name(path)
 
 
 def _per_term(name: str, value, terms, keep: int, stats: tuple) -> dict:
@@ -148,6 +168,14 @@ def format_paths(
     order eagerly; ``jax.jit`` returns dicts sorted by key), one column per
     term; each cell is ``stat`` (the largest over kept loop axes). A term that does not reach a tag at all (exactly zero) shows as
     ``0 (none)``: a detached path (a stray ``stop_gradient``) looks like that.
+
+    Args:
+        table: what ``summarize(tag_jacs, terms=...)`` returns.
+        stat: the statistic to show.
+        tags: the rows, in order (default: the table's).
+
+    Returns:
+        The table as text, one line per tag.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -302,6 +330,24 @@ def value_and_grad(
     ``jaxtrace.flax.value_and_grad(loss, stats=True)`` (a Linen model's
     ``params`` are a plain pytree: use this function).
 
+    Args:
+        fun: the function; it calls ``jaxtrace.tag`` inside.
+        argnums: as in ``jaxtrace.value_and_grad``.
+        has_aux: as in ``jaxtrace.value_and_grad``.
+        tags: as in ``jaxtrace.value_and_grad``.
+        stats: one name from ``STATS``, or a sequence of them.
+        per_example: also keep the axes of ``vmap`` inside ``fun``.
+        with_values: also return the same statistics of the values at the tags.
+
+    Returns:
+        A function that returns ``(value, (grads, tag_stats))``, or with
+        ``has_aux`` ``((value, aux), (grads, tag_stats))``; ``with_values=True``
+        appends ``value_stats``.
+
+    Raises:
+        TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind.
+        ValueError: if a name in ``stats`` is not in ``STATS``.
+
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
         >>> def loss(w, xs):
@@ -315,25 +361,18 @@ def value_and_grad(
         (5,)
     """
     check_callable(fun, "jaxtrace.stats.value_and_grad")
-    check_tags(tags)
-    nums = _ad._normalize_argnums(argnums)
+    fun_with_sites = _value_and_grad_with_sites(fun, argnums, has_aux=has_aux, tags=tags, with_values=with_values)
     stats = _stat_names(stats)  # check the statistic names now, not at the first call
 
     @functools.wraps(fun)
     def stats_fun(*args, **kwargs):
-        split, run, eps = _ad._split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
-        (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
-            split.args, eps
-        )
+        result, sites = fun_with_sites(*args, **kwargs)
+        value, (grads, tag_grads), *values = result
         keep = {}
-        for site in split.sites:
+        for site in sites:
             keep[site.name] = len(site.stack) + (len(site.batch_axes) if per_example else 0)
-        tag_stats = summarize(split.tag_tree(g_eps), loop_axes=keep, stats=stats)
-        grads = g_args[0] if isinstance(argnums, int) else g_args
-        result = ((value, aux) if has_aux else value, (grads, tag_stats))
-        if with_values:
-            return (*result, summarize(split.tag_tree(values), loop_axes=keep, stats=stats))
-        return result
+        out = (value, (grads, summarize(tag_grads, loop_axes=keep, stats=stats)))
+        return (*out, summarize(values[0], loop_axes=keep, stats=stats)) if with_values else out
 
     return stats_fun
 
@@ -347,6 +386,9 @@ class History:
     NumPy array of shape ``(number of appends, *loop axes)``; ``history.steps``
     holds the step numbers, ``history.scalar("loss")`` a logged scalar. A
     tag or scalar missing from some appends reads as ``nan`` there.
+
+    Attributes:
+        steps: the logged step numbers, a NumPy array.
 
     Example:
         >>> import numpy as np, jaxtrace as jt

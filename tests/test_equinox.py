@@ -128,6 +128,8 @@ def test_where_paths_predicate_and_inputs():
     assert list(tags) == ["embed"]
     with pytest.raises(ValueError, match=r"no callable submodule at 'blocks\.2'.*'blocks\.0\.attn'"):
         jt.tag_modules(net, ["blocks.2"])
+    with pytest.raises(TypeError, match=r"^jaxtrace\.tag_modules: where= must be None \(every module\), a path, .*; got 3 of type int\."):
+        jt.tag_modules(net, 3)  # issue 23: was "'int' object is not iterable"
     with pytest.raises(TypeError, match="needs an equinox.Module"):
         jt.tag_modules({"w": jnp.ones(2)})
 
@@ -485,6 +487,22 @@ def test_pickle_and_deepcopy_keep_the_tags():
         assert type(clone[0]) is type(tagged[0])
         assert_close(params(clone), params(tagged))
         assert_close(jt.filter_grad(loss)(clone, jnp.ones(3)), jt.filter_grad(loss)(tagged, jnp.ones(3)))
+
+
+def test_pickles_that_name_the_old_module_paths_still_load():
+    """The tag spec moved to jaxtrace._module_tags (issue 26); a pickle made before names
+    jaxtrace._equinox._ModuleTag, which still resolves, and _restore stays where it was."""
+    import jaxtrace._equinox
+    import jaxtrace._module_tags
+
+    assert jaxtrace._equinox._ModuleTag is jaxtrace._module_tags.ModuleTag
+    tagged = jt.tag_modules(eqx.nn.Linear(3, 2, key=KEYS[0]), inputs=True)
+    new = pickle.dumps(tagged, protocol=3)  # protocols 0-3 name classes as text lines
+    assert b"cjaxtrace._equinox\n_restore\n" in new and b"cjaxtrace._module_tags\nModuleTag\n" in new
+    old = new.replace(b"cjaxtrace._module_tags\nModuleTag\n", b"cjaxtrace._equinox\n_ModuleTag\n")
+    loss = lambda m, x: jnp.sum(m(x))
+    for clone in (pickle.loads(new), pickle.loads(old)):
+        assert sorted(jt.filter_grad(loss)(clone, jnp.ones(3))[1]) == ["", ":in"]
 
 
 # --- PyTorch parity: the same network, module-output gradients by name -------------

@@ -115,6 +115,15 @@ def test_nnx_original_untouched_and_state_interchangeable():
         pass  # flax 0.12.0 keeps initializers as local functions: its modules do not pickle at all
     else:
         copies.append(pickle.loads(pickle.dumps(tagged)))
+        # issue 26 moved NNX tagging to jaxtrace.flax._nnx: a pickle made before names the old paths
+        import jaxtrace._nnx
+
+        assert jaxtrace._nnx._restore is jaxtrace.flax._nnx.restore
+        data = pickle.dumps(tagged, protocol=3)  # protocols 0-3 name classes as text lines
+        assert b"cjaxtrace.flax._nnx\nrestore\n" in data
+        old = data.replace(b"cjaxtrace.flax._nnx\nrestore\n", b"cjaxtrace._nnx\n_restore\n")
+        old = old.replace(b"cjaxtrace._module_tags\nModuleTag\n", b"cjaxtrace._nnx\n_ModuleTag\n")
+        copies.append(pickle.loads(old))
     for copied in copies:
         assert sorted(jt.grad(mse)(copied, X)[1]) == ["", "l1", "l2"]
     # a model whose state is changed later gets it back with nnx.update
@@ -525,3 +534,34 @@ def test_flax_outputs_keep_structure():
     with jaxtrace.flax.tag_modules([""]):
         _, tag_grads = jt.grad(lambda p: jnp.sum(Pair().apply(p, X)["y"]))(p)
     np.testing.assert_array_equal(tag_grads[""]["y"], np.ones((5, 2)))
+
+
+def test_where_of_the_wrong_type_is_one_sentence_for_every_framework():
+    """Issue 23: jt.tag_modules(model, 3) said "'int' object is not iterable"; each framework now names
+    where= and what it takes, in one wording after the name of the function called."""
+    import equinox as eqx
+
+    calls = {
+        "equinox": ("jaxtrace.tag_modules", lambda w: jt.tag_modules(eqx.nn.Linear(2, 2, key=jax.random.key(0)), w)),
+        "nnx": ("jaxtrace.tag_modules", lambda w: jt.tag_modules(MLP(nnx.Rngs(0)), w)),
+        "linen": ("jaxtrace.flax.tag_modules", lambda w: jaxtrace.flax.tag_modules(w)),
+    }
+    try:
+        import torch
+
+        import jaxtrace.torch as jtt
+
+        net = torch.nn.Linear(2, 1)
+        calls["torch"] = ("jaxtrace.torch.grad", lambda w: jtt.grad(net, torch.ones(2), loss=lambda y: y.sum(), where=w))
+    except ImportError:
+        pass
+    for bad, got in [(3, "got 3 of type int. For one module pass its path"), (["l1", 3], "got 3 of type int in the sequence")]:
+        tails = set()
+        for framework, (api, call) in calls.items():
+            with pytest.raises(TypeError) as info:
+                call(bad)
+            message = str(info.value)
+            assert message.startswith(f"{api}: where= must be None (every module), a path, a sequence of paths, "), (framework, message)
+            assert got in message, (framework, message)
+            tails.add(message.removeprefix(api))
+        assert len(tails) == 1, tails

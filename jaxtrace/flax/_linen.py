@@ -8,14 +8,14 @@ module's path in the parameter tree joined by ``/``.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence, Union
 
 import flax.linen as nn
 from flax import nnx
 
-from ._nnx import INPUT_SUFFIX, _tag_arrays, _tag_inputs
+from .._module_tags import ModuleTag, Where, parse_where
+from ._nnx import tag_arrays, tag_call_inputs
 
-Where = Union[None, str, Sequence[str], Callable[[str, nn.Module], bool]]
+_API = "jaxtrace.flax.tag_modules"
 
 
 def _path(module: nn.Module) -> str:
@@ -34,30 +34,13 @@ class _LinenTags(contextlib.ContextDecorator):
                 "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`"
             )
             raise TypeError(
-                f"jaxtrace.flax.tag_modules takes which modules to tag (paths or a predicate), not a model; "
+                f"{_API} takes which modules to tag (paths, classes or a predicate), not a model; "
                 f"got a {type(where).__name__}. {fix[0].upper()}{fix[1:]}."
             )
-        if where is None or callable(where):
-            self._wanted = None
-        else:
-            self._wanted = [where] if isinstance(where, str) else list(where)
-            bad = [w for w in self._wanted if not isinstance(w, str)]
-            if bad:
-                raise TypeError(
-                    f"jaxtrace.flax.tag_modules: where= takes None, a path, a list of paths or a predicate "
-                    f"(path, module) -> bool; got {bad[0]!r} in the list. Paths are strings such as \"Dense_0\"."
-                )
-        self._where = where
+        self._wanted, self._selected = parse_where(where, _API)  # the paths named (or None), the test
         self._inputs = bool(inputs)
         self._seen: list[dict] = []  # one {path: None} per active entry (they can nest)
         self._context = None  # the interceptor, installed once however deep the nesting
-
-    def _selected(self, path: str, module: nn.Module) -> bool:
-        if self._where is None:
-            return True
-        if self._wanted is not None:
-            return path in self._wanted
-        return bool(self._where(path, module))  # pyright: ignore[reportCallIssue]
 
     def _intercept(self, next_fun, args, kwargs, context):
         module = context.module
@@ -68,9 +51,8 @@ class _LinenTags(contextlib.ContextDecorator):
             seen[path] = None
         if not self._selected(path, module):
             return next_fun(*args, **kwargs)
-        if self._inputs:
-            args = _tag_inputs(tuple(args), path + INPUT_SUFFIX)
-        return _tag_arrays(next_fun(*args, **kwargs), path)
+        spec = ModuleTag(path, self._inputs)
+        return spec.call(next_fun, args, kwargs, tag_inputs=tag_call_inputs, tag_output=tag_arrays)
 
     def __enter__(self):
         if not self._seen:  # re-entered (a decorated function calling itself): one interceptor, one tag
@@ -88,7 +70,7 @@ class _LinenTags(contextlib.ContextDecorator):
             return False
         if not seen:
             raise ValueError(
-                "jaxtrace.flax.tag_modules: no Linen module was called while it was active, so nothing was "
+                f"{_API}: no Linen module was called while it was active, so nothing was "
                 "tagged. Call model.apply (or model.init) inside the `with` block or the decorated function. "
                 "A function jitted and traced before the block reuses its trace without the tags: decorate "
                 "the function before jitting it (jax.jit(jaxtrace.flax.tag_modules()(loss)))."
@@ -96,7 +78,7 @@ class _LinenTags(contextlib.ContextDecorator):
         unknown = [w for w in self._wanted or () if w not in seen]
         if unknown:
             raise ValueError(
-                f"jaxtrace.flax.tag_modules: no module at {', '.join(repr(w) for w in unknown)} was called. "
+                f"{_API}: no module at {', '.join(repr(w) for w in unknown)} was called. "
                 f"The modules called were: {', '.join(repr(p) for p in seen)}. Paths are the module names "
                 "of the parameter tree joined by '/' (\"encoder/Dense_0\"); the root is \"\"."
             )
@@ -108,26 +90,26 @@ def tag_modules(where: Where = None, *, inputs: bool = False) -> _LinenTags:
 
     Use it as a context manager around the code that traces ``model.apply``
     (usually the ``jaxtrace.grad`` call), or as a decorator on the loss
-    function. Each selected module's ``__call__`` output is tagged
-    (``jaxtrace.tag``) under the module's path: the names of its parameter
-    tree joined by ``/`` (``"Dense_0"``, ``"encoder/layers_1"``), the root
-    module ``""``. With ``inputs=True`` the positional array arguments are
-    tagged too, as ``"<path>:in"``: one argument as it is, several as a tuple.
-    Array leaves of other outputs (an ``nn.scan`` cell's ``(carry, y)``) are
-    tagged as a pytree; PRNG keys are never tagged. Only ``__call__`` is
-    tagged, not other methods.
+    function. Each selected module's ``__call__`` output is tagged under the
+    module's path: the names of its parameter tree joined by ``/``
+    (``"Dense_0"``, ``"encoder/layers_1"``), the root ``""``. Calls are stacked
+    as for ``jaxtrace.tag_modules``: per step inside ``nn.scan``, per example
+    inside ``nn.vmap``. A function ``jax.jit`` compiled before the block reuses
+    its trace without the tags, so decorate before jitting. The guide *Flax
+    models* has the details.
 
-    A module called several times (weight sharing) gives its calls stacked
-    on a leading axis in call order; inside ``nn.scan`` they are stacked per
-    step, inside ``nn.vmap`` per example; ``nn.remat`` and ``nn.jit`` are
-    transparent. No ``variable_axes`` entry, init pass or batch size is needed.
+    Args:
+        where: which modules: ``None`` (all), a path, a list of paths, a class
+            or tuple of classes, or a predicate ``(path, module) -> bool``.
+        inputs: also tag the positional array arguments, as ``"<path>:in"``.
 
-    ``where`` selects modules: ``None`` (all), a path, a list of paths, or a
-    predicate ``(path, module) -> bool``. A listed path that no call reached,
-    or a block in which no Linen module ran at all, is an error when the block
-    ends (a tag is never silently missing). The function traced inside the
-    block must be traced there: a function ``jax.jit`` compiled before the
-    block reuses its trace without the tags, so decorate before jitting.
+    Returns:
+        A context manager that is also a decorator.
+
+    Raises:
+        TypeError: if ``where`` is a model or none of the forms above.
+        ValueError: when the block ends, if a listed path was never called or
+            no Linen module ran at all (a tag is never silently missing).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax

@@ -35,21 +35,32 @@ def value_and_grad(
 ) -> Callable:
     """Like ``nnx.value_and_grad`` (first argument a model), and also the gradients at the tags.
 
-    Returns ``(value, (grads, tag_grads))``, or with ``has_aux``
-    ``((value, aux), (grads, tag_grads))``: ``grads`` is the ``nnx.State`` of
-    the model's ``wrt`` variables (``nnx.Param`` by default: what
-    ``nnx.grad`` returns and ``nnx.Optimizer.update(model, grads)`` takes),
-    ``tag_grads`` the dict of ``jaxtrace.value_and_grad``. Other state that
-    ``fun`` changes in the model (RNG counts, batch statistics) is written back
-    into it. Works eagerly and inside ``nnx.jit``; ``tags`` selects tags as in
-    ``jaxtrace.value_and_grad``. ``with_values=True`` appends the forward
-    values at the tags: ``(value, (grads, tag_grads), tag_values)``.
+    Other state that ``fun`` changes in the model (RNG counts, batch
+    statistics) is written back into it, as ``nnx.grad`` does. Works eagerly
+    and inside ``nnx.jit``.
 
-    ``stats=True`` (or statistic names, ``stats="norm"``) reduces each tag's
-    gradient inside the traced function as ``jaxtrace.stats.value_and_grad``
-    does: ``tag_grads`` becomes ``{name: {stat: array}}`` with the tag's loop
-    axes kept, so an ``nnx.scan`` over layers gives one value per layer (no
-    ``loop_axes`` to pass); with ``with_values`` the values are summarised too.
+    Args:
+        fun: the function; its first argument is an ``nnx.Module``.
+        has_aux: ``fun`` returns ``(value, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        wrt: which variables to differentiate, as in ``nnx.grad``.
+        with_values: also return the forward values at the tags, from the same pass.
+        stats: ``True`` or statistic names (``"norm"``): reduce each tag's gradient
+            inside the traced function as ``jaxtrace.stats.value_and_grad`` does,
+            keeping the tag's loop axes (one value per layer of an ``nnx.scan``
+            over layers); values too, with ``with_values``.
+
+    Returns:
+        A function that returns ``(value, (grads, tag_grads))``, or with
+        ``has_aux`` ``((value, aux), (grads, tag_grads))``: ``grads`` is the
+        ``nnx.State`` of the model's ``wrt`` variables (what
+        ``nnx.Optimizer.update(model, grads)`` takes), ``tag_grads`` the dict
+        of ``jaxtrace.value_and_grad`` (``{name: {stat: array}}`` with
+        ``stats=``); ``with_values=True`` appends ``tag_values``.
+
+    Raises:
+        TypeError: if ``fun`` is not callable; when called, if its first
+            argument is not an ``nnx.Module``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax
@@ -108,9 +119,21 @@ def grad(
 ) -> Callable:
     """Like ``nnx.grad`` (first argument a model), and also the gradients at the tags.
 
-    Returns ``(grads, tag_grads)``, or with ``has_aux`` ``((grads, tag_grads), aux)``;
-    ``with_values=True`` appends the values at the tags, ``(grads, tag_grads,
-    tag_values)``; ``stats=`` summarises per tag. See ``jaxtrace.flax.value_and_grad``.
+    Args:
+        fun: the function; its first argument is an ``nnx.Module``.
+        has_aux: ``fun`` returns ``(value, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        wrt: which variables to differentiate, as in ``nnx.grad``.
+        with_values: also return the forward values at the tags.
+        stats: summarise per tag, as in ``jaxtrace.flax.value_and_grad``.
+
+    Returns:
+        A function that returns ``(grads, tag_grads)``, or with ``has_aux``
+        ``((grads, tag_grads), aux)``; ``with_values=True`` appends
+        ``tag_values``; see ``jaxtrace.flax.value_and_grad``.
+
+    Raises:
+        TypeError: as ``jaxtrace.flax.value_and_grad``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax

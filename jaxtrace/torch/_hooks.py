@@ -8,16 +8,13 @@ are described in the ``jaxtrace.torch`` package docstring.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from .._module_tags import INPUT_SUFFIX, Where, parse_where
 from ._tensors import describe, flatten, is_float_tensor, map_leaves, np_dtype, to_numpy
-
-Where = Union[None, str, Iterable[str], Callable[[str, "torch.nn.Module"], bool]]
-
-_IN = ":in"
 
 
 @dataclasses.dataclass
@@ -64,9 +61,10 @@ class Recorder:
     is written back into the caller's tensor (recorded by autograd).
     """
 
-    def __init__(self, patch_grads: dict | None = None, with_values: bool = False):
-        self.patch_grads = dict(patch_grads or {})  # name -> fn: the hook returns fn(g), as jt.patch_grad
+    def __init__(self, api: str, patch_grads: dict | None = None, with_values: bool = False):
+        self.api = api  # the public function called, which the error messages name
         self.with_values = with_values  # keep a NumPy copy of each watched tensor as the module saw it
+        self.patch_grads = dict(patch_grads or {})  # name -> fn: the hook returns fn(g), as jt.patch_grad
         self.calls: dict[str, list[Call]] = {}
         self.wrt: list = []  # extra inputs of autograd.grad: leaves made for constants, gradient edges
         self._frames: dict[int, list] = {}  # per module: the calls in progress (a stack, for recursion)
@@ -100,7 +98,7 @@ class Recorder:
             call.shapes[i] = (tuple(alias.shape), np_dtype(alias.dtype))
             if self.with_values:  # a copy now: a later in-place op on the tensor does not change it
                 call.values[i] = to_numpy(alias)
-            alias.register_hook(_store(call, i, self.patch_grads.get(name)))
+            alias.register_hook(_store(call, i, self.api, self.patch_grads.get(name)))
             new_leaves[i] = alias
         self.calls.setdefault(name, []).append(call)
         return (unflatten(new_leaves) if swaps else value), swaps
@@ -112,7 +110,7 @@ class Recorder:
             swaps, new_args = [], None
             if inputs:
                 value = args[0] if len(args) == 1 else tuple(args)
-                new, swaps = self._watch(path + _IN, value)
+                new, swaps = self._watch(path + INPUT_SUFFIX, value)
                 if swaps:
                     new_args = (new,) if len(args) == 1 else tuple(new)
             seen = {id(t): (t, t._version) for t in flatten(list(new_args or args))[0] if isinstance(t, torch.Tensor)}
@@ -142,18 +140,18 @@ class Recorder:
         out = {}
         for name, calls in self.calls.items():
             per_call = [c.value() if values else c.result() for c in calls]
-            out[name] = per_call[0] if len(per_call) == 1 else _stack_calls(name, calls, per_call)
+            out[name] = per_call[0] if len(per_call) == 1 else _stack_calls(self.api, name, calls, per_call)
         return out
 
 
-def _store(call: Call, i: int, fn: Callable | None = None):
+def _store(call: Call, i: int, api: str, fn: Callable | None = None):
     def hook(g):
         call.grads[i] = to_numpy(g)  # the hook fires once, with the total gradient (as it arrives)
         if fn is not None:
             new = fn(g)
             if not (isinstance(new, torch.Tensor) and new.shape == g.shape and new.dtype == g.dtype):
                 raise ValueError(
-                    f"jaxtrace.torch: a patch_grads function returned {describe(new)} for a gradient of "
+                    f"{api}: a patch_grads function returned {describe(new)} for a gradient of "
                     f"{describe(g)}. Return a tensor of the same shape and dtype."
                 )
             return new
@@ -162,13 +160,13 @@ def _store(call: Call, i: int, fn: Callable | None = None):
     return hook
 
 
-def _stack_calls(name: str, calls: list, values: list):
+def _stack_calls(api: str, name: str, calls: list, values: list):
     first = calls[0]
     for c in calls[1:]:
         if c.shapes != first.shapes:
             shapes = "; ".join(str([s[0] if s else None for s in cc.shapes]) for cc in calls)
             raise ValueError(
-                f"jaxtrace.torch: the module {name!r} was called {len(calls)} times with different "
+                f"{api}: the module {name!r} was called {len(calls)} times with different "
                 f"output shapes or structures ({shapes}), so its calls cannot be stacked. Leave it out "
                 "with where=, or give each call its own module."
             )
@@ -180,33 +178,22 @@ def _stack_calls(name: str, calls: list, values: list):
 # --- selection ----------------------------------------------------------------
 
 
-def _select(named: dict, where: Where, inputs: bool) -> tuple[set, set, list]:
+def _select(named: dict, where: Where, inputs: bool, api: str) -> tuple[set, set, list]:
     """(paths whose outputs are watched, paths whose inputs are, names asked for explicitly)."""
-    if where is None:
-        outs = set(named)
-        explicit: list = []
-    elif callable(where):
-        outs = {p for p, m in named.items() if where(p, m)}
-        explicit = []
-    else:
-        explicit = [where] if isinstance(where, str) else list(where)
-        bad = [n for n in explicit if not isinstance(n, str)]
-        if bad:
-            raise TypeError(
-                f"where= must be None, a path, a sequence of paths or a predicate (path, module) -> bool; "
-                f"got {bad[0]!r} of type {type(bad[0]).__name__} in the sequence."
-            )
-        unknown = [n for n in explicit if n.removesuffix(_IN) not in named]
-        if unknown:
-            known = ", ".join(repr(p) for p in named)
-            raise ValueError(
-                f"jaxtrace.torch: no module at {', '.join(repr(n) for n in unknown)}. The module's "
-                f"named_modules() paths are: {known} (the root is ''; add ':in' for a module's input)."
-            )
-        outs = {n for n in explicit if not n.endswith(_IN)}
-        ins = {n.removesuffix(_IN) for n in explicit if n.endswith(_IN)}
-        return outs, ins | (outs if inputs else set()), explicit
-    return outs, (set(outs) if inputs else set()), explicit
+    explicit, selected = parse_where(where, api)
+    if explicit is None:
+        outs = {p for p, m in named.items() if selected(p, m)}
+        return outs, (set(outs) if inputs else set()), []
+    unknown = [n for n in explicit if n.removesuffix(INPUT_SUFFIX) not in named]
+    if unknown:
+        known = ", ".join(repr(p) for p in named)
+        raise ValueError(
+            f"{api}: no module at {', '.join(repr(n) for n in unknown)}. The module's "
+            f"named_modules() paths are: {known} (the root is ''; add ':in' for a module's input)."
+        )
+    outs = {n for n in explicit if not n.endswith(INPUT_SUFFIX)}
+    ins = {n.removesuffix(INPUT_SUFFIX) for n in explicit if n.endswith(INPUT_SUFFIX)}
+    return outs, ins | (outs if inputs else set()), explicit
 
 
 # --- the public functions -----------------------------------------------------
@@ -222,46 +209,53 @@ def value_and_grad(
     patch_grads: dict | None = None,
     with_values: bool = False,
 ) -> Any:
-    """Run ``module(*args)``, then ``loss`` on its output; return the loss and the gradients.
+    """Runs ``loss(module(*args))`` and returns the loss, the parameter gradients and the gradients
+    at the selected modules' outputs (and inputs), as ``jaxtrace.value_and_grad`` does on the JAX side.
 
-    Returns ``(value, (param_grads, module_grads))``: ``value`` is the loss as
-    a Python float; ``param_grads`` is ``{named_parameters() name: array}``;
-    ``module_grads`` is ``{named_modules() path: gradient at the output}``
-    (see the module docstring for tuples, repeated calls and ``":in"``), all
-    NumPy arrays in the module's dtype. A module output of a dict subclass
-    (Hugging Face's ``ModelOutput``), NamedTuple or dataclass keeps its type
-    in the forward pass, so the code that reads it runs as without hooks; its
-    gradient is a plain ``dict`` of its fields (a NamedTuple stays one).
+    Gradients come from ``torch.autograd.grad`` (``.grad`` fields are not
+    touched), with respect to every floating parameter, frozen ones included,
+    and the floating tensors among ``args`` (which are not changed). The module
+    runs in its current mode: call ``.eval()`` on both sides for a parity check.
+    Forward hooks put a tensor hook on a copy of each output (an identity for
+    autograd), which works with in-place modules (``ReLU(inplace=True)``) where
+    ``register_full_backward_hook`` does not. Names, tuples, repeated calls and
+    ``":in"`` are described in the ``jaxtrace.torch`` package docstring. A
+    module output of a dict subclass (Hugging Face's ``ModelOutput``),
+    NamedTuple or dataclass keeps its type in the forward pass, so the code
+    that reads it runs as without hooks; its gradient is a plain ``dict`` of its
+    fields (a NamedTuple stays one).
 
-    ``with_values=True`` appends the values there, as ``jaxtrace.value_and_grad``
-    does: ``(value, (param_grads, module_grads), module_values)``, with the
-    keys and structure of ``module_grads`` (``None`` where that has ``None``),
-    each a NumPy copy of the tensor as it was when the module returned (for
-    ``":in"``: when it was called), so a later in-place operation does not
-    change it.
+    Args:
+        module: the ``torch.nn.Module`` to run.
+        *args: its positional arguments.
+        loss: maps the module's output to a scalar tensor (default: the output
+            is the scalar).
+        where: which modules: ``None`` (all, the root ``""`` too), a path, a
+            list of paths (``"name:in"`` asks for an input), a class or tuple of
+            classes, or a predicate ``(path, module) -> bool``.
+        inputs: also the gradients at the selected modules' inputs.
+        kwargs: keyword arguments for ``module``.
+        patch_grads: ``{path: fn}``: ``fn(g)`` replaces the gradient ``g`` that
+            arrives at that output (or input, ``"path:in"``), as a tensor hook
+            returning a new gradient does and ``jaxtrace.patch_grad`` does in
+            JAX. The result reports ``g`` as it arrives; upstream sees ``fn(g)``.
+        with_values: also return the values at the modules, with the keys and
+            structure of ``module_grads`` (``None`` where that has ``None``), each a
+            NumPy copy of the tensor as it was when the module returned (for
+            ``":in"``: when it was called), so a later in-place op does not change it.
 
-    ``loss`` maps the module's output to a scalar tensor (default: the output
-    is the scalar). ``where`` selects modules: ``None`` (all, the root ``""``
-    too), a path or a list of paths (``"name:in"`` asks for an input; an
-    explicitly named module that is never called is an error), or a predicate
-    ``(path, module) -> bool``. ``inputs=True`` adds the inputs of the selected
-    modules. ``kwargs`` are keyword arguments for ``module``.
+    Returns:
+        ``(value, (param_grads, module_grads))``: the loss as a Python float;
+        ``{named_parameters() name: gradient}``; ``{named_modules() path:
+        gradient at the output}``; NumPy arrays in the module's dtypes.
+        ``with_values=True`` appends ``module_values``, as ``jaxtrace.value_and_grad`` does.
 
-    ``patch_grads={path: fn}`` changes the gradient there, as ``register_hook``
-    returning a new gradient does and as ``jaxtrace.patch_grad`` does on the
-    JAX side: ``fn(g)`` (a tensor function, applied to each floating tensor of
-    that output, or input for ``"path:in"``) replaces the gradient ``g`` that
-    arrives there. ``module_grads`` reports ``g`` as it arrives, as
-    ``jaxtrace.grad`` does at a patched tag; upstream sees ``fn(g)``.
-
-    Gradients are taken with ``torch.autograd.grad`` (the ``.grad`` fields are
-    not touched) with respect to every floating parameter, frozen ones
-    included, and with respect to the floating tensors among ``args`` (which
-    are not changed). The module runs in its current mode: call ``.eval()``
-    (or remove dropout) on both sides for a parity check. The hooks are
-    forward hooks that register a tensor hook on a copy of each output tensor
-    (an identity for autograd), which works with in-place operations
-    (``ReLU(inplace=True)``) where ``register_full_backward_hook`` does not.
+    Raises:
+        TypeError: if ``module`` is not a ``torch.nn.Module`` or ``where`` is
+            none of the forms above.
+        ValueError: if ``loss`` (or the output) is not a scalar floating tensor,
+            or a path in ``where`` / ``patch_grads`` names no module or a module
+            that this forward pass never called.
 
     Example:
         >>> import torch, jaxtrace.torch as jtt
@@ -270,20 +264,72 @@ def value_and_grad(
         >>> sorted(modules), modules["2"].tolist(), params["0.weight"].shape
         (['', '0', '1', '2'], [[1.0], [1.0]], (4, 3))
     """
+    return _value_and_grad(
+        "jaxtrace.torch.value_and_grad", module, args, loss, where, inputs, kwargs, patch_grads, with_values
+    )
+
+
+def grad(
+    module: "torch.nn.Module",
+    *args,
+    loss: Callable | None = None,
+    where: Where = None,
+    inputs: bool = False,
+    kwargs: dict | None = None,
+    patch_grads: dict | None = None,
+    with_values: bool = False,
+) -> Any:
+    """The gradients of ``loss(module(*args))``: ``value_and_grad`` without the value.
+
+    The order mirrors ``jaxtrace.grad``'s ``(grads, tag_grads)``.
+
+    Args:
+        module: the ``torch.nn.Module`` to run.
+        *args: its positional arguments.
+        loss: as in ``value_and_grad``.
+        where: as in ``value_and_grad``.
+        inputs: as in ``value_and_grad``.
+        kwargs: as in ``value_and_grad``.
+        patch_grads: as in ``value_and_grad``.
+        with_values: as in ``value_and_grad``.
+
+    Returns:
+        ``(param_grads, module_grads)``, as ``value_and_grad`` gives them;
+        ``with_values=True`` appends ``module_values``.
+
+    Raises:
+        TypeError: as ``value_and_grad``.
+        ValueError: as ``value_and_grad``.
+
+    Example:
+        >>> import torch, jaxtrace.torch as jtt
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
+        >>> params, modules = jtt.grad(net, torch.ones(2, 3), loss=lambda y: y.sum(), where=["0", "0:in"])
+        >>> list(modules), modules["0:in"].shape
+        (['0:in', '0'], (2, 3))
+    """
+    _, grads, *values = _value_and_grad(
+        "jaxtrace.torch.grad", module, args, loss, where, inputs, kwargs, patch_grads, with_values
+    )
+    return (*grads, *values) if with_values else grads
+
+
+def _value_and_grad(api, module, args, loss, where, inputs, kwargs, patch_grads, with_values=False) -> Any:
+    """What ``value_and_grad`` and ``grad`` do; ``api`` is the one called, which the errors name."""
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"jaxtrace.torch needs a torch.nn.Module, got {type(module).__name__}.")
+        raise TypeError(f"{api} needs a torch.nn.Module, got {type(module).__name__}.")
     named = dict(module.named_modules())
-    outs, ins, explicit = _select(named, where, inputs)
+    outs, ins, explicit = _select(named, where, inputs, api)
     patch_grads = dict(patch_grads or {})
-    unknown = [p for p in patch_grads if p.removesuffix(_IN) not in named]
+    unknown = [p for p in patch_grads if p.removesuffix(INPUT_SUFFIX) not in named]
     if unknown:
         raise ValueError(
-            f"jaxtrace.torch: patch_grads names no module at {', '.join(map(repr, unknown))}. The module's "
+            f"{api}: patch_grads names no module at {', '.join(map(repr, unknown))}. The module's "
             f"named_modules() paths are: {', '.join(map(repr, named))} (add ':in' for a module's input)."
         )
-    outs |= {p for p in patch_grads if not p.endswith(_IN)}
-    ins |= {p.removesuffix(_IN) for p in patch_grads if p.endswith(_IN)}
-    recorder = Recorder(patch_grads, bool(with_values))
+    outs |= {p for p in patch_grads if not p.endswith(INPUT_SUFFIX)}
+    ins |= {p.removesuffix(INPUT_SUFFIX) for p in patch_grads if p.endswith(INPUT_SUFFIX)}
+    recorder = Recorder(api, patch_grads, bool(with_values))
     params = dict(module.named_parameters())
     frozen = [p for p in params.values() if not p.requires_grad and (p.is_floating_point() or p.is_complex())]
     handles = []
@@ -311,7 +357,7 @@ def value_and_grad(
             value = output if loss is None else loss(output)
             if not (isinstance(value, torch.Tensor) and value.numel() == 1 and is_float_tensor(value)):
                 raise ValueError(
-                    "jaxtrace.torch needs a scalar floating loss; "
+                    f"{api} needs a scalar floating loss; "
                     + (
                         f"the module returned {describe(output)}. Pass loss=, a function of the output "
                         "that returns a scalar tensor."
@@ -334,37 +380,8 @@ def value_and_grad(
     missing = [n for n in explicit if n not in module_grads]
     if missing:
         raise ValueError(
-            f"jaxtrace.torch: {', '.join(repr(n) for n in missing)} was selected but never called in this "
+            f"{api}: {', '.join(repr(n) for n in missing)} was selected but never called in this "
             "forward pass, so it has no gradient. Leave it out of where=."
         )
     result = (float(value.detach().reshape(()).real), (param_grads, module_grads))
     return (*result, recorder.results(values=True)) if with_values else result
-
-
-def grad(
-    module: "torch.nn.Module",
-    *args,
-    loss: Callable | None = None,
-    where: Where = None,
-    inputs: bool = False,
-    kwargs: dict | None = None,
-    patch_grads: dict | None = None,
-    with_values: bool = False,
-) -> Any:
-    """``(param_grads, module_grads)`` of ``loss(module(*args))``; see ``value_and_grad``.
-
-    The order mirrors ``jaxtrace.grad``'s ``(grads, tag_grads)``; ``with_values=True``
-    appends the values at the modules: ``(param_grads, module_grads, module_values)``.
-
-    Example:
-        >>> import torch, jaxtrace.torch as jtt
-        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
-        >>> params, modules = jtt.grad(net, torch.ones(2, 3), loss=lambda y: y.sum(), where=["0", "0:in"])
-        >>> list(modules), modules["0:in"].shape
-        (['0:in', '0'], (2, 3))
-    """
-    _, grads, *values = value_and_grad(
-        module, *args, loss=loss, where=where, inputs=inputs, kwargs=kwargs, patch_grads=patch_grads,
-        with_values=with_values,
-    )
-    return (*grads, *values) if with_values else grads

@@ -69,7 +69,7 @@ def load_weights(model: nnx.Module, module: torch.nn.Module) -> nnx.Module:
                 continue  # the port reads the tied array from its first place, as torch does
         if target is None:
             raise ValueError(
-                f"load_weights: the torch module has {full!r}, but the nnx model has no module at {path!r}. "
+                f"jaxtrace.torch.load_weights: the torch module has {full!r}, but the nnx model has no module at {path!r}. "
                 f"Its modules are: {', '.join(repr(n) for n in named)}. Build the nnx model with the same "
                 "attribute names and list indices as the torch module's named_modules() paths."
             )
@@ -82,7 +82,7 @@ def load_weights(model: nnx.Module, module: torch.nn.Module) -> nnx.Module:
                 else "no variable"
             )
             raise ValueError(
-                f"load_weights: torch's {full!r} (shape {tuple(tensor.shape)}) goes to {attr!r} of the nnx "
+                f"jaxtrace.torch.load_weights: torch's {full!r} (shape {tuple(tensor.shape)}) goes to {attr!r} of the nnx "
                 f"module at {path!r} as shape {value.shape}, but that module ({type(target).__name__}) has "
                 f"{found} there."
             )

@@ -19,6 +19,10 @@ import jax.numpy as jnp
 import torch
 
 
+class PlanError(ValueError):
+    """A torch module that does not map onto the model; the public function called prefixes its name."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Assign:
     """One equinox array made from torch parameters by a linear map."""
@@ -53,14 +57,14 @@ def need(path, mod, base, target, cls, checks: dict):
     """An error unless ``target`` is an instance of ``cls`` with ``checks`` {what: (torch, equinox)} equal."""
     kind = type(mod).__name__
     if not isinstance(target, cls):
-        raise ValueError(
-            f"load_weights: the torch {kind} at {path!r} needs an {cls.__module__.split('.')[0]}.nn."
+        raise PlanError(
+            f"the torch {kind} at {path!r} needs an {cls.__module__.split('.')[0]}.nn."
             f"{cls.__name__} there, but the equinox model has a {type(target).__name__} at {show_steps(base)}."
         )
     bad = {k: v for k, v in checks.items() if v[0] != v[1]}
     if bad:
-        raise ValueError(
-            f"load_weights: the {kind} at {path!r} and the equinox {cls.__name__} at {show_steps(base)} differ: "
+        raise PlanError(
+            f"the {kind} at {path!r} and the equinox {cls.__name__} at {show_steps(base)} differ: "
             + "; ".join(f"{k} is {t} in torch but {e} in equinox" for k, (t, e) in bad.items())
             + ". Build the equinox layer to match."
         )
@@ -145,13 +149,13 @@ def _plan_rnn(path, mod, base, target) -> list[Assign]:
         else f"an eqx.nn.{cell_cls.__name__}"
     )
     if getattr(mod, "proj_size", 0):
-        raise ValueError(
-            f"load_weights: the LSTM at {path!r} has proj_size={mod.proj_size}, which eqx.nn.LSTMCell does not "
+        raise PlanError(
+            f"the LSTM at {path!r} has proj_size={mod.proj_size}, which eqx.nn.LSTMCell does not "
             "have. Port it with your own cell (its weight_hr_l* projects the hidden state)."
         )
     if not isinstance(target, (list, tuple)) or len(target) != mod.num_layers:
-        raise ValueError(
-            f"load_weights: the torch {kind} at {path!r} goes into {layout} (torch's layer k, direction d is "
+        raise PlanError(
+            f"the torch {kind} at {path!r} goes into {layout} (torch's layer k, direction d is "
             f"[k][d]), but the equinox model has {_describe_tree(target)} at {show_steps(base)}."
         )
     directions = 2 if mod.bidirectional else 1
@@ -159,8 +163,8 @@ def _plan_rnn(path, mod, base, target) -> list[Assign]:
     for k, layer in enumerate(target):
         cells = layer if isinstance(layer, (list, tuple)) else [layer]
         if len(cells) != directions:
-            raise ValueError(
-                f"load_weights: the torch {kind} at {path!r} goes into {layout}, but layer {k} at "
+            raise PlanError(
+                f"the torch {kind} at {path!r} goes into {layout}, but layer {k} at "
                 f"{show_steps(base + (('item', k),))} is {_describe_tree(layer)}."
             )
         for d, cell in enumerate(cells):
@@ -194,8 +198,8 @@ def _describe_tree(x) -> str:
 
 
 def _plan_elman(path, mod, base, target) -> list[Assign]:
-    raise ValueError(
-        f"load_weights: the torch {type(mod).__name__} at {path!r} has no equinox counterpart (equinox has "
+    raise PlanError(
+        f"the torch {type(mod).__name__} at {path!r} has no equinox counterpart (equinox has "
         "GRUCell and LSTMCell, not a tanh/ReLU RNN cell). Port it with a Linear pair of your own, or use "
         "nn.GRU / nn.LSTM."
     )
@@ -205,8 +209,8 @@ def _plan_mha(path, mod, base, target) -> list[Assign]:
     """``nn.MultiheadAttention`` onto ``eqx.nn.MultiheadAttention``: in_proj split into q, k, v."""
     e, heads = mod.embed_dim, mod.num_heads
     if mod.bias_k is not None or mod.add_zero_attn:
-        raise ValueError(
-            f"load_weights: the MultiheadAttention at {path!r} was built with "
+        raise PlanError(
+            f"the MultiheadAttention at {path!r} was built with "
             + ("add_bias_kv=True" if mod.bias_k is not None else "add_zero_attn=True")
             + ", which eqx.nn.MultiheadAttention does not have. Port it with your own attention module."
         )

@@ -4,7 +4,9 @@ torch's names."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from typing import Callable
 
 import equinox as eqx
 import jax
@@ -12,8 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ._rules import Assign, follow, full_name, identity, rule_for, show_steps
+from .._module_tags import is_nnx_module
+from ._rules import Assign, PlanError, follow, full_name, identity, rule_for, show_steps
 from ._tensors import to_numpy
+
+API = "jaxtrace.torch.load_weights"
+
+
+@contextlib.contextmanager
+def errors_named(api: str):
+    """Prefixes a ``PlanError`` raised inside with ``api``, the public function called."""
+    try:
+        yield
+    except PlanError as error:
+        error.args = (f"{api}: {error.args[0]}", *error.args[1:])
+        raise
 
 
 def _steps_to(model, path: str, what: str) -> tuple:
@@ -28,8 +43,8 @@ def _steps_to(model, path: str, what: str) -> tuple:
         elif not part.isdigit() and hasattr(obj, part):
             new = [("attr", part)]
         else:
-            raise ValueError(
-                f"load_weights: the torch module has {what} at {path!r}, but the equinox model has "
+            raise PlanError(
+                f"the torch module has {what} at {path!r}, but the equinox model has "
                 f"nothing called {part!r} at {show_steps(steps)} (a {type(obj).__name__}). Build the equinox "
                 "model with the same attribute names and list indices as the torch module's "
                 "named_modules() paths."
@@ -79,8 +94,8 @@ def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -
         if not direct:
             continue
         if isinstance(mod, torch.nn.Embedding) and mod.max_norm is not None:
-            raise ValueError(
-                f"load_weights: the Embedding at {path!r} has max_norm={mod.max_norm}: torch renormalises the "
+            raise PlanError(
+                f"the Embedding at {path!r} has max_norm={mod.max_norm}: torch renormalises the "
                 "rows it looks up, in place, which eqx.nn.Embedding does not. Build it without max_norm (or "
                 "renormalise the weight yourself) before porting."
             )
@@ -95,8 +110,8 @@ def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -
         for name, p in direct:
             full = full_name(path, name)
             if not hasattr(target, name):
-                raise ValueError(
-                    f"load_weights: the torch {kind} at {path!r} has the parameter {name!r}, but the "
+                raise PlanError(
+                    f"the torch {kind} at {path!r} has the parameter {name!r}, but the "
                     f"equinox {type(target).__name__} at {show_steps(base)} has no field {name!r}."
                 )
             leaf = getattr(target, name)
@@ -113,8 +128,8 @@ def _plan(model, module, *, grads: bool = False, unplaced: list | None = None) -
 
 def _check_leaf(full, base, name, target, leaf):
     if not (eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)):
-        raise ValueError(
-            f"load_weights: the torch parameter {full!r} has no array to go into: the equinox "
+        raise PlanError(
+            f"the torch parameter {full!r} has no array to go into: the equinox "
             f"{type(target).__name__} at {show_steps(base)} has {name} = {leaf!r}"
             + (" (built with use_bias=False?)." if leaf is None else ".")
         )
@@ -148,8 +163,8 @@ def _layout(full, mod, name, p, base, target, leaf) -> Callable:
                 "transformers' Conv1D, goes into an eqx.nn.Linear (load_weights transposes a Conv1D's weight), "
                 "or into your own module whose field has torch's shape."
             )
-        raise ValueError(
-            f"load_weights: the torch parameter {full!r} has shape {shape}, but the equinox "
+        raise PlanError(
+            f"the torch parameter {full!r} has shape {shape}, but the equinox "
             f"array at {show_steps(base + (('attr', name),))} has shape {eshape}. {hint}"
         )
     return fn
@@ -237,13 +252,13 @@ def _plan_state(model, module, state) -> list[tuple]:
             continue  # a hand-written batch norm: its fields of the buffers' names are filled by _plan
         if state is None:
             raise ValueError(
-                f"load_weights: the torch {type(mod).__name__} at {path!r} has running statistics, which the "
+                f"{API}: the torch {type(mod).__name__} at {path!r} has running statistics, which the "
                 f"eqx.nn.BatchNorm at {show_steps(base)} keeps in an eqx.nn.State. Pass it: "
                 "`model, state = load_weights(model, module, state=state)` (from eqx.nn.make_with_state)."
             )
         if target.mode != "ema":
             raise ValueError(
-                f"load_weights: the eqx.nn.BatchNorm at {show_steps(base)} was built with mode={target.mode!r}; "
+                f"{API}: the eqx.nn.BatchNorm at {show_steps(base)} was built with mode={target.mode!r}; "
                 f"only mode='ema' keeps running statistics as torch does (the torch {type(mod).__name__} at "
                 f"{path!r}). Build it with mode='ema' (and momentum = 1 - torch's momentum)."
             )
@@ -251,60 +266,36 @@ def _plan_state(model, module, state) -> list[tuple]:
     return out
 
 
-def _is_nnx(model) -> bool:
-    """Whether ``model`` is a Flax NNX module, read from its classes so that Flax is not imported here."""
-    return any(cls.__module__.startswith("flax.nnx.") for cls in type(model).__mro__)
-
-
 def load_weights(model, module: "torch.nn.Module", *, state=None):
-    """A copy of the equinox ``model`` with ``module``'s parameters in it, matched by path.
+    """A copy of the equinox (or Flax NNX) ``model`` with ``module``'s parameters in it, matched by path.
 
-    Each torch parameter ``"<path>.<name>"`` goes into the equinox array found
-    by following ``<path>`` in ``model`` (attributes; list indices; the
-    ``layers`` of an ``eqx.nn.Sequential``, so torch ``"seq.0"`` is
-    ``model.seq.layers[0]``) and then the field ``<name>``. ``Linear``,
-    ``Embedding``, ``LayerNorm``, ``GroupNorm`` and the like copy as they are
-    (equinox keeps PyTorch's ``(out, in)`` weight layout); ``Conv1d/2d/3d``
-    and ``ConvTranspose1d/2d/3d`` biases are reshaped to equinox's
-    ``(out, 1, ...)``, and a transposed convolution's kernel is rearranged to
-    equinox's ``(out, in / groups, ...)`` and flipped. Layers whose equinox
-    counterpart is laid out differently:
+    Each torch parameter ``"<path>.<name>"`` goes into the array found by
+    following ``<path>`` in ``model`` (attributes, list indices, the ``layers``
+    of an ``eqx.nn.Sequential``: torch ``"seq.0"`` is ``model.seq.layers[0]``)
+    and then the field ``<name>``. Values and dtypes come from torch. Most
+    layers copy as they are (equinox keeps PyTorch's ``(out, in)`` layout);
+    conv biases, transposed-conv kernels, ``GRUCell`` / ``LSTMCell``, ``GRU`` /
+    ``LSTM``, ``MultiheadAttention`` and ``BatchNorm`` are converted, and an NNX
+    model gets Flax's layouts: the guides *PyTorch weights into equinox* and *Flax models* list each
+    conversion. Persistent floating buffers go into fields of their names (one
+    with no such field is left, with a warning that names it).
 
-    - ``GRUCell`` / ``LSTMCell`` onto ``eqx.nn.GRUCell`` / ``eqx.nn.LSTMCell``
-      (``bias_ih`` and ``bias_hh`` are folded into equinox's biases).
-    - ``GRU`` / ``LSTM`` (any ``num_layers``, ``bidirectional``) onto a list
-      with one entry per layer: a cell, or with ``bidirectional=True`` a list
-      ``[forward, reverse]`` of cells; torch's ``weight_ih_l1_reverse`` goes
-      into ``[1][1].weight_ih``. Layer ``k > 0`` takes ``directions *
-      hidden_size`` inputs. Running the cells (a scan per layer and direction)
-      is yours to write; the guide ``docs/guides/pytorch-weights.md`` has one.
-    - ``MultiheadAttention`` onto ``eqx.nn.MultiheadAttention`` with the same
-      ``num_heads`` and sizes: ``in_proj_weight`` / ``in_proj_bias`` are split
-      into ``query_proj``, ``key_proj``, ``value_proj``; ``out_proj`` goes into
-      ``output_proj``.
-    - ``BatchNorm1d/2d/3d`` onto ``eqx.nn.BatchNorm(..., mode="ema")``: the
-      weight and bias into the module, the running statistics into ``state``
-      (an ``eqx.nn.State``, from ``eqx.nn.make_with_state``), and then the
-      result is ``(model, state)``. Onto a hand-written batch norm, floating
-      persistent buffers go into fields of their names.
+    Args:
+        model: the equinox model (or ``nnx.Module``) to fill; it may be abstract
+            (``eqx.filter_eval_shape`` of its constructor), so a large port
+            skips its random init. It is not changed.
+        module: the ``torch.nn.Module`` the values come from.
+        state: the ``eqx.nn.State`` (from ``eqx.nn.make_with_state``) that the
+            running statistics of ``eqx.nn.BatchNorm(..., mode="ema")`` layers go into.
 
-    Parameters of your own modules copy by attribute name when the shapes
-    agree, and so do floating persistent buffers where the equinox module has
-    a field of the buffer's name (integer buffers such as
-    ``num_batches_tracked`` are not copied; a persistent floating buffer with
-    no such field is not copied either, with a warning that names it). ``model`` (and ``state``) may be
-    abstract (``eqx.filter_eval_shape`` of its constructor: arrays as
-    ``jax.ShapeDtypeStruct``), so a large port skips its random init. Values
-    and dtypes come from torch. A parameter with no place to go, or a layer
-    equinox cannot express (``nn.RNN``, attention with ``add_bias_kv``), is an
-    error that names its path.
+    Returns:
+        The filled copy of ``model``; with ``state``, ``(model, state)``.
 
-    ``model`` may also be a Flax NNX model (an ``nnx.Module``), matched by the
-    names ``jaxtrace.tag_modules`` gives its modules; it returns a clone with
-    the weights in Flax's layouts: ``Linear.weight`` transposed into
-    ``kernel``, a conv weight ``(out, in, *k)`` as ``kernel (*k, in, out)``,
-    ``Embedding.weight`` into ``embedding``, a norm's ``weight`` into
-    ``scale``, ``BatchNorm``'s running statistics into ``mean`` / ``var``.
+    Raises:
+        ValueError: if a parameter has no place to go (no module or field at its
+            path, a different shape), or a layer has no equinox counterpart
+            (``nn.RNN``, attention with ``add_bias_kv``); the message names the path.
+        TypeError: if ``state`` is not an ``eqx.nn.State``, or is given for an NNX model.
 
     Example:
         >>> import torch, jax, equinox as eqx, jaxtrace.torch as jtt
@@ -322,38 +313,39 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
     """
     if state is not None and not isinstance(state, eqx.nn.State):
         raise TypeError(
-            f"load_weights: state= must be an eqx.nn.State (from eqx.nn.make_with_state), got {type(state).__name__}."
+            f"{API}: state= must be an eqx.nn.State (from eqx.nn.make_with_state), got {type(state).__name__}."
         )
-    if _is_nnx(model):
+    if is_nnx_module(model):
         if state is not None:
             raise TypeError(
-                "load_weights: state= is for equinox models; an nnx model keeps its BatchNorm statistics "
+                f"{API}: state= is for equinox models; an nnx model keeps its BatchNorm statistics "
                 "itself, so call load_weights(model, module) without state=."
             )
         from ._nnx import load_weights as load_nnx_weights  # imports Flax, which an nnx model has loaded
 
         return load_nnx_weights(model, module)
     unplaced: list = []
-    plan = _plan(model, module, unplaced=unplaced)
+    with errors_named(API):
+        plan = _plan(model, module, unplaced=unplaced)
+        batch_norms = _plan_state(model, module, state)
     if unplaced:
         warnings.warn(
-            f"load_weights did not copy the torch buffer(s) {', '.join(map(repr, unplaced))}: the equinox "
+            f"{API} did not copy the torch buffer(s) {', '.join(map(repr, unplaced))}: the equinox "
             "modules there have no field of that name. Buffers that hold constants (masks, fill values) are "
             "usually rebuilt by the port and can be left; give the module a field of the buffer's name to copy one.",
             stacklevel=2,
         )
-    batch_norms = _plan_state(model, module, state)
     abstract, concrete = _unfilled(model, plan)
     if abstract:
         raise ValueError(
-            f"load_weights: the abstract model has arrays that no torch parameter or buffer goes into: "
+            f"{API}: the abstract model has arrays that no torch parameter or buffer goes into: "
             f"{', '.join(abstract)}. They would stay jax.ShapeDtypeStructs and fail later. Give each a torch "
             "counterpart at the same path, or build them concretely (eqx.tree_at after load_weights, or a "
             "concrete model)."
         )
     if concrete:
         warnings.warn(
-            f"load_weights left these arrays of the equinox model as they were (no torch parameter or buffer "
+            f"{API} left these arrays of the equinox model as they were (no torch parameter or buffer "
             f"goes into them): {', '.join(concrete)}. If one is a weight, it keeps its random init; a torch "
             "parameter tied to another (GPT-2's lm_head.weight) fills every field at its paths.",
             stacklevel=2,
@@ -383,16 +375,26 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
 
 
 def named_grads(grads, module: "torch.nn.Module") -> dict:
-    """The gradients of an equinox model, under ``module``'s ``named_parameters()`` names.
+    """The gradients of an equinox model under ``module``'s ``named_parameters()`` names.
 
-    ``grads`` has the equinox model's structure (as from ``eqx.filter_grad``,
-    ``jt.grad`` of a partitioned model, ...). This is the adjoint of
-    ``load_weights``: where one torch parameter feeds several equinox arrays
-    (a ``GRUCell``'s ``bias_hh``) the gradients are summed, and a reshaped
-    conv bias is reshaped back, so the result is the gradient with respect to
-    the torch parameters and compares one to one with
-    ``jaxtrace.torch.grad``'s ``param_grads``. Parameters whose equinox arrays
-    have no gradient in ``grads`` (``None``) are left out.
+    The adjoint of ``load_weights``: where one torch parameter feeds several
+    equinox arrays (a ``GRUCell``'s ``bias_hh``) the gradients are summed, and a
+    reshaped conv bias is reshaped back, so the result is the gradient with
+    respect to the torch parameters and compares one to one with
+    ``jaxtrace.torch.grad``'s ``param_grads``.
+
+    Args:
+        grads: gradients with the equinox model's structure (from
+            ``eqx.filter_grad``, ``jt.filter_grad``, ...).
+        module: the ``torch.nn.Module`` whose names to use.
+
+    Returns:
+        ``{torch parameter name: NumPy array}``; parameters whose equinox
+        arrays have no gradient in ``grads`` (``None``) are left out.
+
+    Raises:
+        ValueError: if ``grads`` does not have the structure ``load_weights``
+            would fill from ``module``.
 
     Example:
         >>> import torch, jax, equinox as eqx, jaxtrace.torch as jtt
@@ -403,7 +405,9 @@ def named_grads(grads, module: "torch.nn.Module") -> dict:
     """
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     out: dict = {}
-    for a in _plan(grads, module, grads=True):
+    with errors_named("jaxtrace.torch.named_grads"):
+        plan = _plan(grads, module, grads=True)
+    for a in plan:
         ct = follow(grads, a.steps)
         if ct is None:
             continue

@@ -1,0 +1,297 @@
+"""Tagging a model's module calls, one concept for every framework.
+
+``jaxtrace.tag_modules`` (equinox, Flax NNX), ``jaxtrace.flax.tag_modules``
+(Linen) and the hooks of ``jaxtrace.torch`` do the same thing: name each module
+by its path (PyTorch's ``named_modules()`` spelling), select modules with one
+``where=`` rule, and tag a selected module's output under its name and, on
+request, its positional inputs under ``name + ":in"``. This module holds what
+they share: the path names, the ``where=`` rule, how one call is tagged, the
+tagged subclass that makes a module of the user's own class tag its calls, and
+the ``tag_modules`` dispatcher. Each framework's file keeps what differs: how to
+walk its models, what counts as state rather than a value, how the tagged copy
+is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import jax
+import jax.tree_util as jtu
+
+from ._tag import tag
+
+INPUT_SUFFIX = ":in"  # "<path>:in" names a module's positional inputs
+
+# --- path names --------------------------------------------------------------
+
+
+def key_name(key) -> str:
+    """One step of a pytree path as jaxtrace names it: an attribute, a dict key, a list index."""
+    return jtu.keystr((key,), simple=True, separator=".")
+
+
+def path_name(path: Iterable) -> str:
+    """A pytree path as a dotted name (``"layers.0.weight"``; ``""`` for the root)."""
+    return ".".join(key_name(k) for k in path)
+
+
+def join(prefix: str, *names: str) -> str:
+    """``prefix`` and ``names`` joined by dots, empty names left out (the root's path is ``""``)."""
+    return ".".join(n for n in (prefix, *names) if n != "")
+
+
+# --- where= ------------------------------------------------------------------
+
+# None (every module), a path, a list of paths, a class or tuple of classes (their instances),
+# or a predicate (path, module) -> bool.
+Where = Union[None, str, Sequence[str], type, "tuple[type, ...]", Callable[[str, Any], bool]]
+
+_FORMS = (
+    "None (every module), a path, a sequence of paths, a class or tuple of classes (the modules that are "
+    "instances), or a predicate (path, module) -> bool"
+)
+
+
+def _is_classes(where) -> bool:
+    return isinstance(where, type) or (
+        isinstance(where, tuple) and bool(where) and all(isinstance(w, type) for w in where)
+    )
+
+
+def parse_where(where: Where, api: str) -> tuple[list[str] | None, Callable[[str, Any], bool]]:
+    """``(the paths named, or None when where= is not a list of paths; whether (path, module) is selected)``.
+
+    Raises a ``TypeError`` naming ``api`` (the public function called) when ``where`` is none of
+    the accepted forms.
+    """
+    if where is None:
+        return None, lambda path, module: True
+    if _is_classes(where):
+        classes = where
+        return None, lambda path, module: isinstance(module, classes)  # pyright: ignore[reportArgumentType]
+    if callable(where):
+        test = where
+        return None, lambda path, module: bool(test(path, module))  # pyright: ignore[reportCallIssue]
+    if isinstance(where, str):
+        paths: list = [where]
+    elif isinstance(where, Iterable) and not isinstance(where, (bytes, bytearray, memoryview)):
+        paths = list(where)
+    else:
+        hint = (
+            ' For one module pass its path (where="layers.0"), for several a list of paths '
+            '(where=["layers.0", "layers.1"]).'
+        )
+        raise TypeError(f"{api}: where= must be {_FORMS}; got {where!r} of type {type(where).__name__}.{hint}")
+    bad = [p for p in paths if not isinstance(p, str)]
+    if bad:
+        raise TypeError(
+            f"{api}: where= must be {_FORMS}; got {bad[0]!r} of type {type(bad[0]).__name__} in the sequence. "
+            'Paths are strings such as "layers.0".'
+        )
+    wanted = set(paths)
+    return list(dict.fromkeys(paths)), lambda path, module: path in wanted
+
+
+def choose(candidates: Sequence[tuple[str, Any]], where: Where, api: str) -> list[str]:
+    """The paths among ``candidates`` (``(path, module)``, parents first) that ``where`` selects.
+
+    A path named in ``where`` that is not among the candidates is a ``ValueError`` listing those
+    that are.
+    """
+    wanted, selected = parse_where(where, api)
+    if wanted is None:
+        return [p for p, m in candidates if selected(p, m)]
+    known = [p for p, _ in candidates]
+    unknown = [p for p in wanted if p not in known]
+    if unknown:
+        raise ValueError(
+            f"{api}: no callable submodule at {', '.join(repr(p) for p in unknown)}. "
+            f"The model's callable modules are: {', '.join(repr(p) for p in known)}. Paths are attribute "
+            'names and list indices joined by dots ("layers.0"), as PyTorch\'s named_modules() names them; '
+            'a Sequential\'s children are "0", "1", ...; the root is "".'
+        )
+    return wanted
+
+
+# --- tagging one call --------------------------------------------------------
+
+
+def is_key(x) -> bool:
+    """Whether the array ``x`` holds PRNG keys (never tagged: a key has no gradient)."""
+    # jax.dtypes.issubdtype is public; JAX re-exports it without `as`, which the checker reads as private.
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # pyright: ignore[reportPrivateImportUsage]
+
+
+def tag_leaves(value, name: str, *, taggable: Callable[[Any], bool], is_leaf: Callable[[Any], bool] | None = None):
+    """``value`` with its ``taggable`` leaves tagged as one value ``name``; other leaves pass through.
+
+    Where some leaves are not taggable, the tagged value keeps ``value``'s structure with ``None``
+    in their place (as ``eqx.partition`` gives it), so its gradient has the structure users expect.
+    """
+    leaves, tree = jtu.tree_flatten(value, is_leaf=is_leaf)
+    chosen = [taggable(x) for x in leaves]
+    if not any(chosen):
+        return value
+    if all(chosen):
+        return tag(value, name, repeated=True)
+    dynamic = jtu.tree_unflatten(tree, [x if c else None for x, c in zip(leaves, chosen)])
+    tagged = iter(jtu.tree_leaves(tag(dynamic, name, repeated=True)))
+    return jtu.tree_unflatten(tree, [next(tagged) if c else x for x, c in zip(leaves, chosen)])
+
+
+def tag_inputs(args: tuple, name: str, *, skip: Callable[[Any], bool], tag_arrays: Callable) -> tuple:
+    """``args`` with the positional arguments that ``skip`` does not exclude (state, graph nodes)
+    tagged as ``name``: one such argument as it is, several as a tuple."""
+    where = [i for i, a in enumerate(args) if not skip(a)]
+    if not where:
+        return args
+    chosen = tuple(args[i] for i in where)
+    tagged = tag_arrays(chosen[0] if len(chosen) == 1 else chosen, name)
+    tagged = (tagged,) if len(chosen) == 1 else tagged
+    out = list(args)
+    for i, value in zip(where, tagged):
+        out[i] = value
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleTag:
+    """What a tagged module tags: its output as ``path``, its inputs as ``path + ":in"`` if ``inputs``."""
+
+    path: str
+    inputs: bool
+
+    def call(self, fn: Callable, args: tuple, kwargs: dict, *, tag_inputs: Callable, tag_output: Callable):
+        """``fn(*args, **kwargs)`` with its inputs and output tagged."""
+        if self.inputs:
+            args = tag_inputs(tuple(args), self.path + INPUT_SUFFIX)
+        return tag_output(fn(*args, **kwargs), self.path)
+
+
+# --- the tagged subclass -----------------------------------------------------
+
+
+def base_class(cls: type) -> type:
+    """The user's class behind a tagged subclass (``cls`` itself if it is not one)."""
+    return cls.__dict__.get("_jaxtrace_base", cls)
+
+
+def is_callable_module(module) -> bool:
+    """Whether ``module``'s class (not its metaclass) defines ``__call__``."""
+    return any("__call__" in vars(k) for k in type(module).__mro__[:-1])
+
+
+def tagged_subclass(
+    base: type,
+    *,
+    spec_of: Callable[[Any], "ModuleTag | None"],
+    tag_inputs: Callable,
+    tag_output: Callable,
+    reduce: Callable[[Any], tuple],
+    namespace: dict,
+) -> type:
+    """A subclass of ``base`` whose ``__call__`` tags as ``spec_of(self)`` says (untagged where ``None``).
+
+    It keeps ``base``'s name and qualified name (printed models look as before), and pickles and
+    copies through ``reduce(self)``, which rebuilds it from ``base``. ``namespace`` adds the
+    framework's own entries (``__module__``, ``__doc__``, a field holding the spec).
+    """
+
+    def __call__(self, *args, **kwargs):
+        spec = spec_of(self)
+        if spec is None:
+            return base.__call__(self, *args, **kwargs)
+        call = functools.partial(base.__call__, self)
+        return spec.call(call, args, kwargs, tag_inputs=tag_inputs, tag_output=tag_output)
+
+    def __reduce__(self):  # pickle and copy: rebuild the subclass from its base
+        return reduce(self)
+
+    body = {
+        "__qualname__": base.__qualname__,
+        "_jaxtrace_base": base,
+        "__call__": functools.wraps(base.__call__)(__call__),
+        "__reduce__": __reduce__,
+        **namespace,
+    }
+    return type(base)(base.__name__, (base,), body)
+
+
+# --- jaxtrace.tag_modules ----------------------------------------------------
+
+
+def _from_flax(model, package: str) -> bool:
+    # Read from the classes, so that Flax is never imported here: a Flax model means Flax is loaded.
+    return any(cls.__module__.startswith(f"flax.{package}.") for cls in type(model).__mro__)
+
+
+def is_nnx_module(model) -> bool:
+    """Whether ``model`` is a Flax NNX module (without importing Flax)."""
+    return _from_flax(model, "nnx")
+
+
+def tag_modules(model: Any, where: Where = None, *, inputs: bool = False) -> Any:
+    """A copy of ``model`` whose submodules tag their outputs, named as in PyTorch.
+
+    Each selected module's ``__call__`` output is tagged (``jaxtrace.tag``)
+    under its path in the style of ``torch.nn.Module.named_modules()``:
+    attribute names joined by dots, list, tuple and dict entries by index or
+    key (``"layers.0"``, ``"blocks.1.attn"``), the children of an
+    ``eqx.nn.Sequential`` / ``nnx.Sequential`` by index alone (``"0"``), the
+    root ``""``. A module called several times gives its calls stacked on a
+    leading axis in call order; calls inside ``lax.scan`` / ``nnx.scan`` are
+    stacked per step. ``model`` itself is not changed; the copy has the same
+    parameters in the same order, so gradients, optimiser states and
+    checkpoints are interchangeable with the original's, and its modules are
+    instances of subclasses of the original classes. What is tagged for each
+    kind of output and state, and the Flax NNX details, are in the guides
+    (*Equinox models*, *Flax models*); for Linen see ``jaxtrace.flax.tag_modules``.
+
+    Args:
+        model: an ``equinox.Module`` or a Flax ``nnx.Module``.
+        where: which modules: ``None`` (every module with a ``__call__``, the
+            root too), a path, a list of paths, a class or tuple of classes
+            (their instances: ``jt.tag_modules(model, jt.HookPoint)``), or a
+            predicate ``(path, module) -> bool``.
+        inputs: also tag each selected module's positional array arguments,
+            as ``"<path>:in"`` (one argument as it is, several as a tuple;
+            ``eqx.nn.State`` arguments and keyword arguments are not tagged).
+
+    Returns:
+        The tagged copy, of the same type as ``model``.
+
+    Raises:
+        TypeError: if ``model`` is not an equinox or NNX module (a Linen module
+            is tagged while it runs, with ``jaxtrace.flax.tag_modules``), or
+            ``where`` is none of the forms above.
+        ValueError: if ``where`` names a path that is not a callable module.
+
+    Example:
+        >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
+        >>> mlp = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
+        >>> model = jt.tag_modules(mlp, ["layers.0", "layers.1"], inputs=True)
+        >>> grads, tag_grads = jt.filter_grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones(3))
+        >>> {name: g.shape for name, g in tag_grads.items()}
+        {'layers.0:in': (3,), 'layers.0': (8,), 'layers.1:in': (8,), 'layers.1': (8,)}
+    """
+    if is_nnx_module(model):
+        from .flax._nnx import tag_modules as tag_nnx  # imports Flax, which an nnx model has loaded
+
+        return tag_nnx(model, where, inputs=inputs)
+    if _from_flax(model, "linen"):
+        raise TypeError(
+            "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
+            "they are tagged while they run: `with jaxtrace.flax.tag_modules(): "
+            "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`."
+        )
+    from ._equinox import is_module, tag_equinox  # _equinox builds on this module: imported on use
+
+    if not is_module(model):
+        raise TypeError(
+            f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
+            "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
+        )
+    return tag_equinox(model, where, inputs=inputs)
