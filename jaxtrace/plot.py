@@ -27,6 +27,7 @@ from numpy.typing import ArrayLike
 try:
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 except ImportError as error:  # pragma: no cover - exercised without matplotlib
     raise ImportError(
@@ -279,14 +280,20 @@ def paths(
     tags: Sequence[str] | None = None,
     *,
     title: str | None = None,
+    titles: Sequence[str] | None = None,
     path: str | os.PathLike | None = None,
 ) -> Figure:
     """Which loss term reaches which tag: a heatmap of ``log10`` of ``stat``, tags x terms.
 
-    ``table`` is what ``jt.stats.summarize(tag_jacs, terms=...)`` returns.
-    Rows are tags (in ``tags`` order, else the table's), columns are terms.
-    A cell that is exactly zero (the term does not reach the tag: a detached
-    path) is grey and marked with a cross, apart from the colour scale.
+    ``table`` is what ``jt.stats.summarize(tag_jacs, terms=...)`` (or
+    ``jt.stats.jacrev``) returns, or a list of such tables to compare (a clean
+    model and a buggy one): one panel each, side by side, all on one colour
+    scale, shown by one colorbar, so one value has one colour in every panel.
+    ``titles`` names the panels; ``title`` is the figure's title.
+    Rows are tags (in ``tags`` order, else the first table's), columns are
+    terms (in the tables' order). A cell that is exactly zero (the term does
+    not reach the tag: a detached path) is grey and marked with a cross,
+    apart from the colour scale.
 
     Example:
         >>> import numpy as np
@@ -295,31 +302,60 @@ def paths(
         >>> fig = plot.paths(table)
         >>> fig.axes[0].get_xticklabels()[1].get_text()
         'aux'
+        >>> buggy = {"h": {"ce": {"norm": np.float32(0.05)}, "aux": {"norm": np.float32(0.0)}}}
+        >>> fig = plot.paths([table, buggy], titles=["clean", "buggy"])
+        >>> [ax.get_title() for ax in fig.axes[:2]], fig.axes[0].images[0].norm is fig.axes[1].images[0].norm
+        (['clean', 'buggy'], True)
     """
-    table = {name: dict(per_term) for name, per_term in dict(table).items()}
-    names = list(table) if tags is None else list(tags)
-    terms = list(dict.fromkeys(t for name in names for t in table[name]))
-    values = np.full((len(names), len(terms)), np.nan)
-    for i, name in enumerate(names):
-        for j, term in enumerate(terms):
-            cell = table[name].get(term, {}).get(stat)
-            if cell is not None:
-                values[i, j] = float(np.nanmax(np.asarray(cell, dtype=np.float64)))
-    zero = values == 0
-    logs = np.log10(_positive(values))
-    fig = _figure(1.6 + 1.1 * len(terms), 1.2 + 0.42 * len(names))
-    ax = fig.subplots()
+    tables = [dict(t) for t in table] if isinstance(table, (list, tuple)) else [dict(table)]
+    if not tables:
+        raise ValueError("jaxtrace.plot.paths: pass a table, or a list of tables to compare.")
+    if titles is not None and len(titles) != len(tables):
+        raise ValueError(f"jaxtrace.plot.paths: {len(titles)} titles for {len(tables)} tables.")
+    tables = [{name: dict(per_term) for name, per_term in t.items()} for t in tables]
+    names = list(tables[0]) if tags is None else list(tags)
+    for k, t in enumerate(tables):
+        missing = [name for name in names if name not in t]
+        if missing:
+            raise ValueError(f"jaxtrace.plot.paths: table {k} has no tag {missing[0]!r}; it has {list(t)}.")
+    terms = list(dict.fromkeys(term for t in tables for name in names for term in t[name]))
+    panels = []
+    for t in tables:
+        values = np.full((len(names), len(terms)), np.nan)
+        for i, name in enumerate(names):
+            for j, term in enumerate(terms):
+                cell = t[name].get(term, {}).get(stat)
+                if cell is not None:
+                    values[i, j] = float(np.nanmax(np.asarray(cell, dtype=np.float64)))
+        panels.append(values)
+    logs = [np.log10(_positive(values)) for values in panels]
+    finite = np.concatenate([lg[np.isfinite(lg)] for lg in logs])
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (-1.0, 0.0)
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    norm = Normalize(vmin=lo, vmax=hi)  # one scale for every panel
+    n = len(tables)
+    fig = _figure(1.2 + n * (0.6 + 1.1 * len(terms)) + 0.8, 1.2 + 0.42 * len(names) + (0.3 if title and (n > 1 or titles is not None) else 0))
+    axes = np.atleast_1d(fig.subplots(1, n, sharey=True, squeeze=False)).ravel()
     cmap = matplotlib.colormaps["magma"].with_extremes(bad="#d9d9d9")
-    image = ax.imshow(np.ma.masked_invalid(logs), cmap=cmap, aspect="auto")
-    for i, j in zip(*np.nonzero(zero)):
-        ax.text(j, i, "x  no path", ha="center", va="center", fontsize=8, color="#b30000")
-    for i, j in zip(*np.nonzero(np.isfinite(logs))):
-        ax.text(j, i, f"{values[i, j]:.2g}", ha="center", va="center", fontsize=8,
-                color="white" if logs[i, j] < np.nanmean(logs) else "black")
-    ax.set_xticks(range(len(terms)), [t or "(output)" for t in terms])
-    ax.set_yticks(range(len(names)), [n or '""' for n in names])
-    ax.set_xlabel("loss term")
-    ax.set_ylabel("tag")
-    ax.set_title(title or f"|d term / d tag| ({stat})")
-    fig.colorbar(image, ax=ax, label=f"log10 {stat}")
+    image = None
+    for k, (ax, values, lg) in enumerate(zip(axes, panels, logs)):
+        image = ax.imshow(np.ma.masked_invalid(lg), cmap=cmap, norm=norm, aspect="auto")
+        for i, j in zip(*np.nonzero(values == 0)):
+            ax.text(j, i, "x  no path", ha="center", va="center", fontsize=8, color="#b30000")
+        for i, j in zip(*np.nonzero(np.isfinite(lg))):
+            dark = norm(lg[i, j]) < 0.5  # magma is dark at the low end: white text there
+            ax.text(j, i, f"{values[i, j]:.2g}", ha="center", va="center", fontsize=8, color="white" if dark else "black")
+        ax.set_xticks(range(len(terms)), [t or "(output)" for t in terms])
+        ax.set_xlabel("loss term")
+        if k == 0:
+            ax.set_yticks(range(len(names)), [name or '""' for name in names])
+            ax.set_ylabel("tag")
+        if titles is not None:
+            ax.set_title(titles[k])
+        elif n == 1:
+            ax.set_title(title or f"|d term / d tag| ({stat})")
+    if title and (n > 1 or titles is not None):
+        fig.suptitle(title)
+    fig.colorbar(image, ax=list(axes), label=f"log10 {stat}")
     return _finish(fig, path)
