@@ -27,6 +27,7 @@ from numpy.typing import ArrayLike
 try:
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    import matplotlib.cm
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 except ImportError as error:  # pragma: no cover - exercised without matplotlib
@@ -213,6 +214,7 @@ def overlay(
     alpha: float = 0.5,
     cmap: str = "jet",
     vmax: float | None = None,
+    colorbar: bool | None = None,
     size: float = 2.2,
     path: str | os.PathLike | None = None,
 ) -> Figure:
@@ -223,8 +225,10 @@ def overlay(
     ``heatmaps``: one per image, any resolution (stretched over the image with
     bilinear interpolation, so a coarse Grad-CAM map needs no resizing), each
     drawn on the scale [0, its own max], or [0, ``vmax``] for all maps when
-    ``vmax`` is given (to compare maps); ``None`` shows the image alone. Panels fill
-    rows of ``ncols`` (default: all in one row, at most 6).
+    ``vmax`` is given (to compare maps); ``None`` shows the image alone. With
+    ``vmax`` one colorbar beside the grid shows that shared scale (``colorbar=False``
+    leaves it out; without ``vmax`` each map has its own scale and no colorbar is
+    drawn). Panels fill rows of ``ncols`` (default: all in one row, at most 6).
 
     Example:
         >>> import numpy as np
@@ -233,6 +237,8 @@ def overlay(
         >>> fig = plot.overlay([image, image], [None, cam], titles=["input", "Grad-CAM"])
         >>> len(fig.axes)
         2
+        >>> len(plot.overlay([image, image], [cam, cam / 2], vmax=1.0).axes)  # and a colorbar
+        3
     """
     single = not isinstance(images, (list, tuple)) and (
         np.ndim(images) == 2 or (np.ndim(images) == 3 and np.shape(images)[-1] in (3, 4))
@@ -250,8 +256,12 @@ def overlay(
     n = len(images)
     ncols = ncols or min(n, 6)
     nrows = -(-n // ncols)
-    fig = _figure(size * ncols, size * nrows + (0.25 if titles else 0))
+    colorbar = vmax is not None if colorbar is None else colorbar
+    if colorbar and vmax is None:
+        raise ValueError("jaxtrace.plot.overlay: colorbar=True needs vmax=, the one scale the maps share.")
+    fig = _figure(size * ncols + (0.7 if colorbar else 0), size * nrows + (0.25 if titles else 0))
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    drawn = None
     for i, ax in enumerate(axes):
         ax.set_axis_off()
         if i >= n:
@@ -268,9 +278,15 @@ def overlay(
                 raise ValueError(f"jaxtrace.plot.overlay: heatmap {i} has shape {heat.shape}; expected (h, w).")
             top = np.nanmax(heat) if vmax is None else vmax
             heat = np.clip(heat / top, 0, 1) if top > 0 else np.zeros_like(heat)
-            ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
+            drawn = ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
         if titles is not None:
             ax.set_title(titles[i], fontsize=9)
+    if colorbar:
+        # the maps were drawn as heat / vmax on [0, 1]: label the bar in the maps' own units
+        mappable = matplotlib.cm.ScalarMappable(Normalize(0, vmax), cmap=cmap)
+        bar = fig.colorbar(mappable, ax=list(axes), shrink=0.8, aspect=30)
+        bar.set_label("heatmap (one scale for all)", fontsize=8)
+        bar.ax.tick_params(labelsize=7)
     return _finish(fig, path)
 
 

@@ -136,6 +136,9 @@ def test_overlay(tmp_path):
     np.testing.assert_allclose(fig.axes[0].images[1].get_array(), cam / cam.max())
     shared = plot.overlay([grey, grey], [cam, cam / 2], vmax=cam.max())  # one scale for both maps
     np.testing.assert_allclose(shared.axes[1].images[1].get_array(), cam / 2 / cam.max())
+    assert len(shared.axes) == 3  # and one colorbar shows that scale, in the maps' units
+    assert shared.axes[2].get_ylim() == pytest.approx((0, cam.max()))
+    assert len(plot.overlay([grey, grey], [cam, cam], vmax=1.0, colorbar=False).axes) == 2
     assert fig.axes[0].images[1].get_extent() == [0, 16, 16, 0]  # the coarse map covers the image
     single = plot.overlay(grey, cam)
     assert len(single.axes) == 1
