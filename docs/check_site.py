@@ -6,8 +6,8 @@ Run after ``mkdocs build --strict`` (which writes ``site/``):
     python docs/check_site.py --require-browser  # fail, rather than skip, without a browser
     python docs/check_site.py --screenshots DIR  # also save a screenshot of each page
 
-Serves ``site/`` on 127.0.0.1 (a free port) and checks the home page, the API reference and
-the gallery:
+Serves ``site/`` on 127.0.0.1 (a free port) and checks the pages a newcomer reads first (home,
+getting started, concepts, the loss-paths guide), the API reference and the gallery:
 
 - over HTTP (standard library only): each page answers, has its ``<h1>`` (and the API page
   its ``jaxtrace.grad`` entry), every ``<img>`` it shows resolves to an image, and the search
@@ -15,7 +15,9 @@ the gallery:
 - in headless Chromium, driven by playwright (``pip install playwright``; the browser is the
   system's: Debian's ``chromium`` package, ``apt-get install chromium``, or ``$CHROMIUM``; no
   browser download): each page renders its headings, every picture has loaded (non-zero
-  natural size), and typing "grad" in the search box lists ``jaxtrace.grad``.
+  natural size), no code block on the first pages is wider than its box (a line cut off
+  behind a scroll bar), at a desktop and a phone width, and typing a public name in the search
+  box lists its API entry first.
 
 Without playwright or a Chromium binary the browser checks are skipped with a message (an
 error with ``--require-browser``). Exits non-zero on any failure.
@@ -44,8 +46,24 @@ PAGES = {
     "api/core/": ("Tags and transforms", ["jaxtrace.tag", "jaxtrace.grad", "jaxtrace.patch_grad"]),
     "gallery/": ("Gallery", ["Grad-CAM for every class", "Attribution patching"]),
 }
+PAGES.update({
+    "getting-started/": ("Getting started", ["Install", "The first example"]),
+    "concepts/": ("Concepts", []),
+    "guides/loss-paths/": ("Which loss reaches which layer", []),
+})
 MIN_IMAGES = {"gallery/": 6}
 SEARCH_QUERY, SEARCH_HIT = "grad", "jaxtrace.grad"
+# The pages a newcomer reads first: no code line on them may be cut off (wider than its box).
+WHOLE_CODE = ["", "getting-started/", "concepts/", "guides/loss-paths/"]
+WIDTHS = (1280, 390)  # a desktop and a phone
+# query -> the API entry that must be the first result (a page of the API reference)
+# (the API pages' search boost, docs/api/*.md front matter, and mkdocs.yml's search separator)
+SEARCH_FIRST = {
+    "grad": "jaxtrace.grad",
+    "jaxtrace.grad": "jaxtrace.grad",
+    "summarize": "jaxtrace.stats.summarize",
+    "tag_modules": "jaxtrace.tag_modules",
+}
 
 
 class _Page(html.parser.HTMLParser):
@@ -171,24 +189,48 @@ def check_browser(base: str, failures: list[str], require: bool, screenshots: pa
                 screenshots.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(screenshots / f"{path.strip('/').replace('/', '_') or 'home'}.png"))
             print(f"browser /{path:10} <h1> {title!r} and {len(headings)} headings shown, {len(images)} pictures drawn")
+        check_code_fits(browser, base, failures)
         # the search box (in the header at this width): type, wait for the result list (a web
         # worker builds the index from search/search_index.json)
-        page.goto(base, wait_until="load")
         results = page.locator(".md-search-result__item")
-        try:
-            box = page.locator("input[data-md-component=search-query]")
-            box.click(timeout=10_000)
-            box.press_sequentially(SEARCH_QUERY, delay=100)  # key events, as a person types
-            results.filter(has_text=SEARCH_HIT).first.wait_for(state="visible", timeout=20_000)
-            found = results.filter(has_text=SEARCH_HIT).count()
-            print(f"browser search {SEARCH_QUERY!r}: {results.count()} results, {found} with {SEARCH_HIT!r}")
-        except Exception as error:  # playwright's TimeoutError
-            failures.append(f"browser search {SEARCH_QUERY!r}: no result with {SEARCH_HIT!r} ({error.__class__.__name__})")
-        if screenshots:
-            page.screenshot(path=str(screenshots / "search.png"))
+        for query, hit in SEARCH_FIRST.items():
+            page.goto(base, wait_until="load")
+            try:
+                box = page.locator("input[data-md-component=search-query]")
+                box.click(timeout=10_000)
+                box.press_sequentially(query, delay=100)  # key events, as a person types
+                results.filter(has_text=hit).first.wait_for(state="visible", timeout=20_000)
+                found = results.filter(has_text=hit).count()
+                # the first result is a page with its matching sections: the entry's page, with the entry
+                links = results.first.locator("a").evaluate_all("els => els.map(e => e.getAttribute('href'))")
+                print(f"browser search {query!r}: {results.count()} results, {found} with {hit!r}; first: {links[:2]}")
+                if not any("/api/" in link and link.endswith("#" + hit) for link in links):
+                    failures.append(f"browser search {query!r}: the first result {links[:2]} is not the API entry {hit!r}")
+            except Exception as error:  # playwright's TimeoutError
+                failures.append(f"browser search {query!r}: no result with {hit!r} ({error.__class__.__name__})")
+            if screenshots:
+                page.screenshot(path=str(screenshots / f"search-{query}.png"))
         if errors:
             failures.append(f"browser: JavaScript errors: {errors}")
         browser.close()
+
+
+def check_code_fits(browser, base: str, failures: list[str]) -> None:
+    """No code block on the first pages is wider than its box: every line is shown whole."""
+    for width in WIDTHS:
+        page = browser.new_page(viewport={"width": width, "height": 900})
+        for path in WHOLE_CODE:
+            page.goto(base + path, wait_until="load")
+            blocks = page.eval_on_selector_all(
+                "article pre > code",
+                "els => els.map(e => [e.scrollWidth, e.clientWidth, e.innerText.split('\\n')"
+                ".reduce((a, b) => (a.length >= b.length ? a : b), '')])",
+            )
+            clipped = [(sw, cw, line) for sw, cw, line in blocks if sw > cw + 1]
+            for sw, cw, line in clipped:
+                failures.append(f"browser /{path} at {width} px: a code block {sw} px wide in a {cw} px box: {line[:80]!r}")
+            print(f"browser /{path:18} at {width:4} px: {len(blocks)} code blocks, {len(clipped)} wider than their box")
+        page.close()
 
 
 def main() -> int:

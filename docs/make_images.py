@@ -1,6 +1,7 @@
 """Regenerate the pictures of the docs (gallery and guides): run each example in full and save a small copy here.
 
 Run:  python docs/make_images.py      (about a minute on 2 CPU cores; needs matplotlib)
+      python docs/make_images.py loss_paths.py   (only the pictures of the examples named)
 
 The examples write full-size PNGs to a temporary folder; each is scaled down
 and reduced to a 128-colour palette (Pillow, which matplotlib installs) so
@@ -31,7 +32,11 @@ def main():
     target.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with tempfile.TemporaryDirectory() as tmp:
-        for script, (name, width) in PICTURES.items():
+        chosen = sys.argv[1:] or list(PICTURES)
+        for script in chosen:
+            if script not in PICTURES:
+                raise SystemExit(f"{script}: not one of the examples that draw the docs' pictures: {list(PICTURES)}")
+            name, width = PICTURES[script]
             subprocess.run([sys.executable, str(ROOT / "examples" / script), "--out", tmp], check=True, env=env)
             image = Image.open(pathlib.Path(tmp) / name).convert("RGB")
             if image.width > width:

@@ -9,9 +9,9 @@ PyTorch users to ``register_hook`` is: does each loss term really reach the
 layers it should, and how much of the gradient there comes from each?
 
 ``jt.jacrev`` of the dict of loss terms gives d term / d tag for every term and
-every tagged layer in one forward pass; ``jt.stats.summarize(tag_jacs,
-terms=...)`` reduces it to a term x tag table of norms inside the jitted
-function, and ``jt.stats.format_paths`` prints it, marking exact zeros: a term
+every tagged layer in one forward pass; ``jt.stats.jacrev`` reduces it to a
+tag x term table of norms inside the jitted function, and
+``jt.stats.format_paths`` prints it, marking exact zeros: a term
 that does not reach a layer at all. Then the classic bug: a ``stop_gradient``
 slips onto the auxiliary branch, the auxiliary term silently stops training
 the encoder, and the table shows it as ``0 (none)``.
@@ -19,7 +19,8 @@ the encoder, and the table shows it as ``0 (none)``.
 When PyTorch is installed, the same model (weights copied across) gets the
 per-term gradients the PyTorch way, with ``register_hook`` on each layer and
 one ``backward(retain_graph=True)`` per term, and ``jt.compare`` checks them
-against ``jt.jacrev``. Writes ``loss_paths.png`` (the heatmap, clean and buggy).
+against ``jt.jacrev``. Writes ``loss_paths.png`` (the heatmaps, clean and buggy, on one
+colour scale).
 """
 
 import argparse
@@ -70,15 +71,12 @@ def losses(params, x, labels, detach_aux=False):
 
 
 def term_table(params, x, labels, detach_aux=False):
-    """The term x tag table of gradient norms, computed inside jax.jit."""
+    """The tag x term table of gradient norms, computed inside jax.jit."""
+    _, table = jt.stats.jacrev(losses, stats="norm")(params, x, labels, detach_aux)
+    return table
 
-    @jax.jit
-    def run(params, x, labels):
-        fun = lambda p: losses(p, x, labels, detach_aux)  # noqa: E731
-        _, tag_jacs = jt.jacrev(fun)(params)
-        return jt.stats.summarize(tag_jacs, terms=jax.eval_shape(fun, params), stats="norm"), tag_jacs
 
-    return run(params, x, labels)
+term_table = jax.jit(term_table, static_argnames="detach_aux")
 
 
 def torch_per_term_grads(params, x, labels):
@@ -132,12 +130,12 @@ def main():
     x = jnp.asarray(rng.normal(size=(n, D_IN)))
     labels = jnp.asarray(rng.integers(0, N_CLASSES, n))
 
-    table, tag_jacs = term_table(params, x, labels)
+    table = term_table(params, x, labels)
     print("d term / d layer output, L2 norm (clean model):")
-    print(jt.stats.format_paths(table, tags=LAYERS))
-    buggy, _ = term_table(params, x, labels, detach_aux=True)
+    print(jt.stats.format_paths(table))
+    buggy = term_table(params, x, labels, detach_aux=True)
     print("\nThe same with a stop_gradient on the auxiliary branch:")
-    print(jt.stats.format_paths(buggy, tags=LAYERS))
+    print(jt.stats.format_paths(buggy))
     reaches = lambda t, term: bool(np.any(t["encoder.0"][term]["norm"]))  # noqa: E731
     lost = [term for term in table["encoder.0"] if reaches(table, term) and not reaches(buggy, term)]
     print(f"\nTerms that stopped reaching encoder.0: {lost}")
@@ -151,6 +149,7 @@ def main():
             "enough: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         )
     else:
+        _, tag_jacs = jax.jit(jt.jacrev(losses))(params, x, labels)  # the full Jacobians, to compare
         ours = {f"{name}/{term}": tag_jacs[name][term] for name in LAYERS for term in tag_jacs[name]}
         theirs = torch_per_term_grads(params, x, labels)
         comparison = jt.compare(ours, theirs, rtol=1e-10, atol=1e-12, labels=("jaxtrace", "torch"))
@@ -166,30 +165,14 @@ def main():
         print('(matplotlib is not installed: pip install -e ".[plot]" for the picture)')
         return
     fig_path = out_dir / "loss_paths.png"
-    clean = plot.paths(table, tags=LAYERS, title="clean model: |d term / d layer|")
-    broken = plot.paths(buggy, tags=LAYERS, title="stop_gradient on the auxiliary branch")
-    _side_by_side(clean, broken, fig_path)
+    plot.paths(
+        [table, buggy],
+        tags=LAYERS,
+        titles=["clean model", "stop_gradient on the auxiliary branch"],
+        title="|d term / d layer output| (L2 norm), one colour scale",
+        path=fig_path,
+    )
     print(f"wrote {fig_path}")
-
-
-def _side_by_side(left, right, path):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    images = []
-    for fig in (left, right):
-        canvas = FigureCanvasAgg(fig)
-        canvas.draw()
-        images.append(np.asarray(canvas.buffer_rgba()))
-    height = max(i.shape[0] for i in images)
-    width = sum(i.shape[1] for i in images)
-    out = Figure(figsize=(width / 100, height / 100), dpi=100)
-    FigureCanvasAgg(out)
-    for img, x0 in zip(images, (0, images[0].shape[1])):
-        ax = out.add_axes((x0 / width, 0, img.shape[1] / width, img.shape[0] / height))
-        ax.imshow(img)
-        ax.axis("off")
-    out.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

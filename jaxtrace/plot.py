@@ -27,6 +27,8 @@ from numpy.typing import ArrayLike
 try:
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    import matplotlib.cm
+    from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 except ImportError as error:  # pragma: no cover - exercised without matplotlib
     raise ImportError(
@@ -232,6 +234,7 @@ def overlay(
     alpha: float = 0.5,
     cmap: str = "jet",
     vmax: float | None = None,
+    colorbar: bool | None = None,
     size: float = 2.2,
     path: str | os.PathLike | None = None,
 ) -> Figure:
@@ -242,8 +245,10 @@ def overlay(
     ``heatmaps``: one per image, any resolution (stretched over the image with
     bilinear interpolation, so a coarse Grad-CAM map needs no resizing), each
     drawn on the scale [0, its own max], or [0, ``vmax``] for all maps when
-    ``vmax`` is given (to compare maps); ``None`` shows the image alone. Panels fill
-    rows of ``ncols`` (default: all in one row, at most 6).
+    ``vmax`` is given (to compare maps); ``None`` shows the image alone. With
+    ``vmax`` one colorbar beside the grid shows that shared scale (``colorbar=False``
+    leaves it out; without ``vmax`` each map has its own scale and no colorbar is
+    drawn). Panels fill rows of ``ncols`` (default: all in one row, at most 6).
 
     Args:
         images: one image or a sequence.
@@ -266,6 +271,8 @@ def overlay(
         >>> fig = plot.overlay([image, image], [None, cam], titles=["input", "Grad-CAM"])
         >>> len(fig.axes)
         2
+        >>> len(plot.overlay([image, image], [cam, cam / 2], vmax=1.0).axes)  # and a colorbar
+        3
     """
     single = not isinstance(images, (list, tuple)) and (
         np.ndim(images) == 2 or (np.ndim(images) == 3 and np.shape(images)[-1] in (3, 4))
@@ -283,8 +290,12 @@ def overlay(
     n = len(images)
     ncols = ncols or min(n, 6)
     nrows = -(-n // ncols)
-    fig = _figure(size * ncols, size * nrows + (0.25 if titles else 0))
+    colorbar = vmax is not None if colorbar is None else colorbar
+    if colorbar and vmax is None:
+        raise ValueError("jaxtrace.plot.overlay: colorbar=True needs vmax=, the one scale the maps share.")
+    fig = _figure(size * ncols + (0.7 if colorbar else 0), size * nrows + (0.25 if titles else 0))
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    drawn = None
     for i, ax in enumerate(axes):
         ax.set_axis_off()
         if i >= n:
@@ -301,9 +312,15 @@ def overlay(
                 raise ValueError(f"jaxtrace.plot.overlay: heatmap {i} has shape {heat.shape}; expected (h, w).")
             top = np.nanmax(heat) if vmax is None else vmax
             heat = np.clip(heat / top, 0, 1) if top > 0 else np.zeros_like(heat)
-            ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
+            drawn = ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
         if titles is not None:
             ax.set_title(titles[i], fontsize=9)
+    if colorbar:
+        # the maps were drawn as heat / vmax on [0, 1]: label the bar in the maps' own units
+        mappable = matplotlib.cm.ScalarMappable(Normalize(0, vmax), cmap=cmap)
+        bar = fig.colorbar(mappable, ax=list(axes), shrink=0.8, aspect=30)
+        bar.set_label("heatmap (one scale for all)", fontsize=8)
+        bar.ax.tick_params(labelsize=7)
     return _finish(fig, path)
 
 
@@ -313,14 +330,20 @@ def paths(
     tags: Sequence[str] | None = None,
     *,
     title: str | None = None,
+    titles: Sequence[str] | None = None,
     path: str | os.PathLike | None = None,
 ) -> Figure:
     """Which loss term reaches which tag: a heatmap of ``log10`` of ``stat``, tags x terms.
 
-    ``table`` is what ``jt.stats.summarize(tag_jacs, terms=...)`` returns.
-    Rows are tags (in ``tags`` order, else the table's), columns are terms.
-    A cell that is exactly zero (the term does not reach the tag: a detached
-    path) is grey and marked with a cross, apart from the colour scale.
+    ``table`` is what ``jt.stats.summarize(tag_jacs, terms=...)`` (or
+    ``jt.stats.jacrev``) returns, or a list of such tables to compare (a clean
+    model and a buggy one): one panel each, side by side, all on one colour
+    scale, shown by one colorbar, so one value has one colour in every panel.
+    ``titles`` names the panels; ``title`` is the figure's title.
+    Rows are tags (in ``tags`` order, else the first table's), columns are
+    terms (in the tables' order). A cell that is exactly zero (the term does
+    not reach the tag: a detached path) is grey and marked with a cross,
+    apart from the colour scale.
 
     Args:
         table: what ``jt.stats.summarize(tag_jacs, terms=...)`` returns.
@@ -339,31 +362,60 @@ def paths(
         >>> fig = plot.paths(table)
         >>> fig.axes[0].get_xticklabels()[1].get_text()
         'aux'
+        >>> buggy = {"h": {"ce": {"norm": np.float32(0.05)}, "aux": {"norm": np.float32(0.0)}}}
+        >>> fig = plot.paths([table, buggy], titles=["clean", "buggy"])
+        >>> [ax.get_title() for ax in fig.axes[:2]], fig.axes[0].images[0].norm is fig.axes[1].images[0].norm
+        (['clean', 'buggy'], True)
     """
-    table = {name: dict(per_term) for name, per_term in dict(table).items()}
-    names = list(table) if tags is None else list(tags)
-    terms = list(dict.fromkeys(t for name in names for t in table[name]))
-    values = np.full((len(names), len(terms)), np.nan)
-    for i, name in enumerate(names):
-        for j, term in enumerate(terms):
-            cell = table[name].get(term, {}).get(stat)
-            if cell is not None:
-                values[i, j] = float(np.nanmax(np.asarray(cell, dtype=np.float64)))
-    zero = values == 0
-    logs = np.log10(_positive(values))
-    fig = _figure(1.6 + 1.1 * len(terms), 1.2 + 0.42 * len(names))
-    ax = fig.subplots()
+    tables = [dict(t) for t in table] if isinstance(table, (list, tuple)) else [dict(table)]
+    if not tables:
+        raise ValueError("jaxtrace.plot.paths: pass a table, or a list of tables to compare.")
+    if titles is not None and len(titles) != len(tables):
+        raise ValueError(f"jaxtrace.plot.paths: {len(titles)} titles for {len(tables)} tables.")
+    tables = [{name: dict(per_term) for name, per_term in t.items()} for t in tables]
+    names = list(tables[0]) if tags is None else list(tags)
+    for k, t in enumerate(tables):
+        missing = [name for name in names if name not in t]
+        if missing:
+            raise ValueError(f"jaxtrace.plot.paths: table {k} has no tag {missing[0]!r}; it has {list(t)}.")
+    terms = list(dict.fromkeys(term for t in tables for name in names for term in t[name]))
+    panels = []
+    for t in tables:
+        values = np.full((len(names), len(terms)), np.nan)
+        for i, name in enumerate(names):
+            for j, term in enumerate(terms):
+                cell = t[name].get(term, {}).get(stat)
+                if cell is not None:
+                    values[i, j] = float(np.nanmax(np.asarray(cell, dtype=np.float64)))
+        panels.append(values)
+    logs = [np.log10(_positive(values)) for values in panels]
+    finite = np.concatenate([lg[np.isfinite(lg)] for lg in logs])
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (-1.0, 0.0)
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    norm = Normalize(vmin=lo, vmax=hi)  # one scale for every panel
+    n = len(tables)
+    fig = _figure(1.2 + n * (0.6 + 1.1 * len(terms)) + 0.8, 1.2 + 0.42 * len(names) + (0.3 if title and (n > 1 or titles is not None) else 0))
+    axes = np.atleast_1d(fig.subplots(1, n, sharey=True, squeeze=False)).ravel()
     cmap = matplotlib.colormaps["magma"].with_extremes(bad="#d9d9d9")
-    image = ax.imshow(np.ma.masked_invalid(logs), cmap=cmap, aspect="auto")
-    for i, j in zip(*np.nonzero(zero)):
-        ax.text(j, i, "x  no path", ha="center", va="center", fontsize=8, color="#b30000")
-    for i, j in zip(*np.nonzero(np.isfinite(logs))):
-        ax.text(j, i, f"{values[i, j]:.2g}", ha="center", va="center", fontsize=8,
-                color="white" if logs[i, j] < np.nanmean(logs) else "black")
-    ax.set_xticks(range(len(terms)), [t or "(output)" for t in terms])
-    ax.set_yticks(range(len(names)), [n or '""' for n in names])
-    ax.set_xlabel("loss term")
-    ax.set_ylabel("tag")
-    ax.set_title(title or f"|d term / d tag| ({stat})")
-    fig.colorbar(image, ax=ax, label=f"log10 {stat}")
+    image = None
+    for k, (ax, values, lg) in enumerate(zip(axes, panels, logs)):
+        image = ax.imshow(np.ma.masked_invalid(lg), cmap=cmap, norm=norm, aspect="auto")
+        for i, j in zip(*np.nonzero(values == 0)):
+            ax.text(j, i, "x  no path", ha="center", va="center", fontsize=8, color="#b30000")
+        for i, j in zip(*np.nonzero(np.isfinite(lg))):
+            dark = norm(lg[i, j]) < 0.5  # magma is dark at the low end: white text there
+            ax.text(j, i, f"{values[i, j]:.2g}", ha="center", va="center", fontsize=8, color="white" if dark else "black")
+        ax.set_xticks(range(len(terms)), [t or "(output)" for t in terms])
+        ax.set_xlabel("loss term")
+        if k == 0:
+            ax.set_yticks(range(len(names)), [name or '""' for name in names])
+            ax.set_ylabel("tag")
+        if titles is not None:
+            ax.set_title(titles[k])
+        elif n == 1:
+            ax.set_title(title or f"|d term / d tag| ({stat})")
+    if title and (n > 1 or titles is not None):
+        fig.suptitle(title)
+    fig.colorbar(image, ax=list(axes), label=f"log10 {stat}")
     return _finish(fig, path)

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union, cast
@@ -88,7 +89,8 @@ def summarize(
     ``{"ce": ...}``, ``""`` for a single array). The term's own axes are
     reduced too; ``loop_axes`` counts the tag's loop axes. An exact zero
     means the term does not reach the tag at all (:func:`format_paths`
-    marks it).
+    marks it). :func:`jacrev` does the Jacobian and this split in one call,
+    with no ``terms=``.
 
     Args:
         values: ``{name: pytree of arrays}``, such as ``tag_grads``, or the
@@ -118,7 +120,10 @@ def summarize(
             f"got {type(values).__name__}. Wrap a single tree as {{'name': tree}}."
         )
     if terms is not None:
-        return {name: _per_term(name, value, terms, _axes_for(loop_axes, name), stats) for name, value in values.items()}
+        # OrderedDicts: jax.jit hands them back in this order (plain dicts come back sorted by key).
+        return collections.OrderedDict(
+            (name, _per_term(name, value, terms, _axes_for(loop_axes, name), stats)) for name, value in values.items()
+        )
     return {name: _summarize_one(name, value, _axes_for(loop_axes, name), stats) for name, value in values.items()}
 
 
@@ -156,7 +161,22 @@ def _per_term(name: str, value, terms, keep: int, stats: tuple) -> dict:
         # The term's own axes come first in a Jacobian; move them behind the tag's loop axes.
         moved = jax.tree_util.tree_map(lambda a: jnp.moveaxis(jnp.asarray(_as_float(a)), tuple(range(n)), tuple(range(-n, 0))), part)
         out[term_name(path)] = _summarize_one(f"{name}/{term_name(path)}", moved, keep, stats)
-    return out
+    return _in_order(out, _term_names_in_order(terms))
+
+
+def _term_names_in_order(tree, prefix: tuple = ()) -> list[str]:
+    """The term names of an output, dicts in the order the function built them (JAX sorts dict keys)."""
+    if type(tree) in (dict, collections.OrderedDict):
+        return [n for key, sub in tree.items() for n in _term_names_in_order(sub, (*prefix, str(key)))]
+    if type(tree) in (list, tuple):
+        return [n for i, sub in enumerate(tree) for n in _term_names_in_order(sub, (*prefix, str(i)))]
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [".".join((*prefix, term_name(path))) if path else ".".join(prefix) for path, _ in leaves]
+
+
+def _in_order(per_term: dict, order: list[str]) -> collections.OrderedDict:
+    known = [t for t in dict.fromkeys(order) if t in per_term]
+    return collections.OrderedDict((t, per_term[t]) for t in known + [t for t in per_term if t not in known])
 
 
 def format_paths(
@@ -164,10 +184,13 @@ def format_paths(
 ) -> str:
     """The tag x term table of :func:`summarize` ``(tag_jacs, terms=...)`` as text.
 
-    One row per tag, in ``tags`` order if given, else the table's (forward
-    order eagerly; ``jax.jit`` returns dicts sorted by key), one column per
-    term; each cell is ``stat`` (the largest over kept loop axes). A term that does not reach a tag at all (exactly zero) shows as
-    ``0 (none)``: a detached path (a stray ``stop_gradient``) looks like that.
+    One row per tag, in ``tags`` order if given, else the table's, and one
+    column per term, in the table's order: :func:`jacrev` and ``summarize``
+    keep the tags in the order the program reached them and the terms in the
+    order the loss built them, under ``jax.jit`` too. Each cell is ``stat``
+    (the largest over kept loop axes). A term that does not reach a tag at
+    all (exactly zero) shows as ``0 (none)``: a detached path (a stray
+    ``stop_gradient``) looks like that.
 
     Args:
         table: what ``summarize(tag_jacs, terms=...)`` returns.
@@ -203,6 +226,62 @@ def format_paths(
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     widths[1:-1] = [max(w, 8) for w in widths[1:-1]]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def jacrev(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    stats: str | Sequence[str] = STATS,
+    loop_axes: LoopAxes = 0,
+) -> Callable:
+    """:func:`jaxtrace.jacrev` with each tag's Jacobian reduced per term: which loss term reaches which tag.
+
+    Returns a function with ``fun``'s signature that returns ``(jac, table)``
+    (with ``has_aux`` ``((jac, table), aux)``), where ``jac`` is what
+    ``jax.jacrev`` returns and ``table = {tag: {term: {stat: array}}}`` is
+    :func:`summarize` of the tag Jacobians per output leaf ("term", named by
+    its path in the output: ``"ce"`` for ``{"ce": ...}``). The tags come in the
+    order the program reached them and the terms in the order ``fun`` built
+    its output, under ``jax.jit`` too, so :func:`format_paths` prints them in
+    that order. An exact zero: the term does not reach the tag.
+    ``loop_axes`` is :func:`summarize`'s (default: every axis reduced).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxtrace as jt
+        >>> def losses(w):
+        ...     h = jt.tag(w * jnp.arange(3.0), "h")
+        ...     return {"main": jnp.sum(h ** 2), "aux": jnp.sum(jax.lax.stop_gradient(h))}
+        >>> _, table = jax.jit(jt.stats.jacrev(losses, stats="norm"))(2.0)
+        >>> print(jt.stats.format_paths(table))
+        tag  main      aux
+        h    8.94      0 (none)
+    """
+    check_callable(fun, "jaxtrace.stats.jacrev")
+    check_tags(tags)
+    stats = _stat_names(stats)  # check the statistic names now, not at the first call
+
+    @functools.wraps(fun)
+    def table_fun(*args, **kwargs):
+        seen = []
+
+        def recorded(*a, **k):  # sees the output as fun built it, before JAX sorts its dicts
+            result = fun(*a, **k)
+            out = result[0] if has_aux and isinstance(result, tuple) and len(result) == 2 else result
+            shapes = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf)), out)
+            seen.append((shapes, _term_names_in_order(out)))
+            return result
+
+        result = _ad.jacrev(recorded, argnums, has_aux=has_aux, tags=tags)(*args, **kwargs)
+        (jac, tag_jacs), aux = result if has_aux else (result, None)
+        shapes, order = seen[0]
+        table = summarize(tag_jacs, terms=shapes, loop_axes=loop_axes, stats=stats)
+        table = collections.OrderedDict((name, _in_order(per_term, order)) for name, per_term in table.items())
+        return ((jac, table), aux) if has_aux else (jac, table)
+
+    return table_fun
 
 
 def _stat_names(stats: str | Sequence[str]) -> tuple:

@@ -1,8 +1,40 @@
+"""Shared fixtures, and the ``--long`` option.
+
+The default run (``python -m pytest -q tests``, the README's command) checks the whole contract
+in a few minutes. ``--long`` (``.ci/run`` passes it in every cell) adds what takes long: tests
+marked ``long`` or ``slow`` (the examples, the two-process run) and the property tests' long profile
+(200 random programs instead of 30; ``JAXTRACE_HYPOTHESIS_PROFILE`` still picks one by name).
+"""
+
+import os
+
 import jax
 import numpy as np
 import pytest
 
 jax.config.update("jax_enable_x64", True)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="also run the long tests: the examples, the multi-process run, 200 property programs",
+    )
+
+
+def pytest_configure(config):
+    # Read by tests/test_properties.py at import, which comes after this.
+    os.environ.setdefault("JAXTRACE_HYPOTHESIS_PROFILE", "ci" if config.getoption("--long") else "quick")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="a long test: run with --long (.ci/run does)")
+    for item in items:
+        if "long" in item.keywords or "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(params=["eager", "jit"])

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.long  # a minute or more each: run with --long (.ci/run does)
+
 pytest.importorskip("matplotlib")
 pytest.importorskip("optax")
 

@@ -10,6 +10,7 @@ import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.long  # two JAX processes for a minute or more: run with --long (.ci/run does)
 
 
 @pytest.mark.skipif(

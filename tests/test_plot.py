@@ -136,6 +136,9 @@ def test_overlay(tmp_path):
     np.testing.assert_allclose(fig.axes[0].images[1].get_array(), cam / cam.max())
     shared = plot.overlay([grey, grey], [cam, cam / 2], vmax=cam.max())  # one scale for both maps
     np.testing.assert_allclose(shared.axes[1].images[1].get_array(), cam / 2 / cam.max())
+    assert len(shared.axes) == 3  # and one colorbar shows that scale, in the maps' units
+    assert shared.axes[2].get_ylim() == pytest.approx((0, cam.max()))
+    assert len(plot.overlay([grey, grey], [cam, cam], vmax=1.0, colorbar=False).axes) == 2
     assert fig.axes[0].images[1].get_extent() == [0, 16, 16, 0]  # the coarse map covers the image
     single = plot.overlay(grey, cam)
     assert len(single.axes) == 1
@@ -156,6 +159,28 @@ def test_paths_heatmap_marks_terms_that_do_not_reach_a_tag(tmp_path):
     assert [t.get_text() for t in ax.get_xticklabels()] == ["ce", "aux"]
     texts = [t.get_text() for t in ax.texts]
     assert texts.count("x  no path") == 1 and "0.05" in texts and "3" in texts
+
+
+@needs_matplotlib
+def test_paths_compared_panels_share_one_colour_scale(tmp_path):
+    """Side by side, one value has one colour: one norm for all panels, and one colorbar shows it."""
+    clean = {"h": {"ce": {"norm": 0.5}, "aux": {"norm": 2.0}}, "g": {"ce": {"norm": 0.01}, "aux": {"norm": 1.0}}}
+    buggy = {"h": {"ce": {"norm": 0.5}, "aux": {"norm": 0.0}}, "g": {"ce": {"norm": 0.01}, "aux": {"norm": 0.0}}}
+    fig = plot.paths([clean, buggy], titles=["clean", "buggy"], title="t", path=tmp_path / "two.png")
+    assert (tmp_path / "two.png").read_bytes()[:8] == PNG
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [ax.get_title() for ax in panels] == ["clean", "buggy"]
+    norms = [ax.images[0].norm for ax in panels]
+    assert norms[0] is norms[1]
+    np.testing.assert_allclose([norms[0].vmin, norms[0].vmax], np.log10([0.01, 2.0]))
+    # the unchanged cell ("h", "ce") is drawn in the same colour in both panels
+    colours = [ax.images[0].to_rgba(ax.images[0].get_array())[0, 0] for ax in panels]
+    np.testing.assert_array_equal(colours[0], colours[1])
+    (colorbar,) = [ax for ax in fig.axes if ax not in panels]
+    assert colorbar.get_ylabel() == "log10 norm"
+    assert [t.get_text() for t in panels[1].texts].count("x  no path") == 2
+    with pytest.raises(ValueError, match="1 titles for 2 tables"):
+        plot.paths([clean, buggy], titles=["one"])
 
 
 def test_docstring_examples():

@@ -296,6 +296,28 @@ def test_summarize_tag_jacobians_per_term(maybe_jit, detach):
     assert "0 (none)" in text.splitlines()[2]  # aux never reaches h
 
 
+def test_stats_jacrev_is_the_per_term_summary_in_the_loss_own_order(maybe_jit):
+    """jt.stats.jacrev: no terms= idiom; tags in forward order, terms as the loss built them, under jit too."""
+    xs = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
+
+    def fun(w, xs):  # the dict built in non-alphabetical order
+        out = _terms_model(w, xs)
+        return {"vec": out["vec"], "main": out["main"], "aux": out["aux"]}
+
+    jac, table = maybe_jit(jt.stats.jacrev(fun, stats=("norm", "max_abs"), loop_axes={"c": 1}))(0.7, xs)
+    _, tag_jacs = jt.jacrev(fun)(0.7, xs)
+    expected = stats.summarize(tag_jacs, terms=jax.eval_shape(fun, 0.7, xs), stats=("norm", "max_abs"), loop_axes={"c": 1})
+    assert list(table) == ["c", "h"] and all(list(per_term) == ["vec", "main", "aux"] for per_term in table.values())
+    for name in expected:
+        for term in expected[name]:
+            for stat in ("norm", "max_abs"):
+                np.testing.assert_allclose(table[name][term][stat], expected[name][term][stat], rtol=1e-12)
+    np.testing.assert_allclose(jac["main"], jax.jacrev(lambda w: fun(w, xs)["main"])(0.7), rtol=1e-12)
+    assert stats.format_paths(table).splitlines()[0].split() == ["tag", "vec", "main", "aux"]
+    (_, with_aux), aux = jt.stats.jacrev(lambda w: (fun(w, xs), 1.0), has_aux=True)(0.7)
+    assert aux == 1.0 and list(with_aux["h"]) == ["vec", "main", "aux"]
+
+
 def test_summarize_terms_structure_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="structure of terms="):
         stats.summarize({"h": {"a": jnp.ones(2)}}, terms={"b": 1.0, "c": 2.0})
