@@ -281,6 +281,7 @@ def main(argv=None):
     parser.add_argument("--large-layers", type=int, help="blocks of the large model (default 24; quick 2)")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (15 if args.quick else 40)
+    args.explicit_rounds = args.compile_rounds is not None
     args.compile_rounds = args.compile_rounds or (3 if args.quick else 7)
     args.min_time = 0.01 if args.quick else 0.02  # seconds per timed sample, at least
 
@@ -296,9 +297,12 @@ def main(argv=None):
     if not M.HAS_LOGS:
         D.log(f"note: {M.NO_LOGS_NOTE}")
     wanted = set(args.models.split(",")) if args.models else None
-    for model in M.models(args.quick):
-        if wanted and model.name not in wanted:
-            continue
+    chosen = [m for m in M.models(args.quick) if not wanted or m.name in wanted]
+    for name in sorted((wanted or set()) - {m.name for m in chosen}):
+        if name.startswith("chain") and name[5:].replace("/", "").isdigit():  # e.g. chain500/4
+            n, _, shared = name[5:].partition("/")
+            chosen.append(M.chain(int(n), shared=int(shared) if shared else None))
+    for model in chosen:
         t = time.perf_counter()
         results["models"][model.name] = bench_model(model, args)
         save()
@@ -316,7 +320,8 @@ def main(argv=None):
 
         t = time.perf_counter()
         results["large"] = bench_model(L.model(args.quick, args.large_layers), args, rounds=5 if args.quick else args.rounds,
-                                       compile_rounds=1 if args.quick else args.compile_rounds)
+                                       compile_rounds=args.compile_rounds if args.quick and args.explicit_rounds else
+                                       1 if args.quick else args.compile_rounds)
         save()
         D.log(f"large model: {time.perf_counter() - t:.0f} s")
     for key, option, shared in (("compile_sweep", args.sweep, None), ("compile_sweep_shared", args.shared_sweep, 4)):
