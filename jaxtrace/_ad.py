@@ -9,11 +9,11 @@ of ``eps``, which is the gradient at the tagged value.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _compat
 from ._perturb import perturb
@@ -189,6 +189,11 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection 
     return (*result, split.tag_tree(values)) if with_values else result
 
 
+def _cut(x, start, size, axis: int):
+    """``size`` entries of ``x`` from ``start`` along ``axis`` (sizes may be symbolic)."""
+    return jax.lax.slice_in_dim(x, start, start + size, axis=axis)
+
+
 def _split_cotangents(tag_tree, pullback, ct):
     primal_cts, eps_cts = pullback(ct)
     return primal_cts, tag_tree(eps_cts)
@@ -238,16 +243,22 @@ def jacrev(
                     f"jaxtrace.jacrev needs real floating-point outputs, as jax.jacrev does, but got an output of "
                     f"dtype {jnp.result_type(leaf)}. Cast it, or leave it out of the differentiated output."
                 )
-        sizes = [int(np.prod(jnp.shape(leaf))) for leaf in out_leaves]
-        basis = jnp.eye(sum(sizes), dtype=jnp.result_type(*out_leaves))
-        offsets = np.cumsum([0, *sizes])
-        cts = [basis[:, a:b].reshape(-1, *jnp.shape(leaf)) for a, b, leaf in zip(offsets, offsets[1:], out_leaves)]
+        # The standard basis of the output space, as jax.jacrev builds it: one eye in the
+        # promoted dtype, split per leaf and cast back to each leaf's dtype. Sizes stay
+        # symbolic under jax.export (math.prod), and a size-0 leaf gets no rows.
+        sizes = [math.prod(jnp.shape(leaf)) for leaf in out_leaves]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        total = sum(sizes)
+        basis = jnp.eye(total, dtype=jnp.result_type(*out_leaves))
+        cts = [
+            _cut(basis, start, size, axis=1).reshape(total, *jnp.shape(leaf)).astype(jnp.result_type(leaf))
+            for start, size, leaf in zip(starts, sizes, out_leaves)
+        ]
         g_args, g_eps = jax.vmap(pullback)(jax.tree_util.tree_unflatten(out_tree, cts))
         g_args = g_args[0] if isinstance(argnums, int) else g_args
 
         def rows(tree, i, shape):  # the rows of output leaf i, with the leaf's shape in front
-            a, b = offsets[i], offsets[i + 1]
-            return jax.tree_util.tree_map(lambda g: g[a:b].reshape(*shape, *g.shape[1:]), tree)
+            return jax.tree_util.tree_map(lambda g: _cut(g, starts[i], sizes[i], 0).reshape(*shape, *g.shape[1:]), tree)
 
         shapes = [jnp.shape(leaf) for leaf in out_leaves]
         jac = jax.tree_util.tree_unflatten(out_tree, [rows(g_args, i, s) for i, s in enumerate(shapes)])

@@ -39,7 +39,7 @@ class Site:
     identity: tuple = ()  # the jt.tag calls it holds (copies made by JAX share them)
     ncalls: int = 0  # >0: the first stack axis enumerates that many repeated calls
     differentiated: bool = False  # JAX took a derivative through it inside the traced function
-    choice: tuple | None = None  # (cond, branch) for a tag in a branch of a vmapped cond
+    choice: tuple | None = None  # ((cond, branch), ...): the vmapped conds around it, outermost first
     remat: bool = False  # found inside a jax.checkpoint body (where JAX makes copies)
 
     @property
@@ -149,24 +149,64 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
     """One site from every equation of one level that holds a tag name's leaf.
 
     Rematerialised copies of one ``jt.tag`` call (``_copies``) are one site.
-    The branches of one vmapped ``cond`` (``choice``) are alternatives: one
-    site, each branch's values masked to the examples that took it, so they
-    add up. Other distinct calls are stacked in call order, which needs
-    ``repeated=True``; calls already stacked inside a nested ``jax.jit`` or
-    ``jax.checkpoint`` are spliced in.
+    Distinct calls are stacked in call order, which needs ``repeated=True``;
+    calls already stacked inside a nested ``jax.jit`` or ``jax.checkpoint``
+    are spliced in. The branches of one vmapped ``cond`` (``choice``) are
+    alternatives: within each branch its calls are stacked as anywhere else,
+    and the branches' stacks are one site, each branch's values masked to the
+    examples that took it, so they add up (what an unbatched cond gives).
     """
     units = _copies(sites)  # each: the indices of one call's occurrences, original first
+    site, unit_slots = _stack_units(sites, units, depth=0)
+    slots: list = [None] * len(sites)
+    for members, slot in zip(units, unit_slots):
+        for j, i in enumerate(members):
+            slots[i] = dataclasses.replace(slot, primary=j == 0)
+    return site, slots
+
+
+def _choice(site: Site, depth: int):
+    """``(cond, branch)`` of the vmapped cond at nesting ``depth`` around ``site``, or None."""
+    return site.choice[depth] if site.choice is not None and len(site.choice) > depth else None
+
+
+def _stack_units(sites: Sequence[Site], units: list, depth: int) -> tuple[Site, list[Slot]]:
+    """One site from the calls ``units`` (the occurrences of each call), and each call's slot.
+
+    A part is one call, or one vmapped cond at this ``depth`` (its branches' calls stacked
+    recursively, then merged as alternatives); the parts are stacked in call order.
+    """
     groups: dict = {}
     for u, members in enumerate(units):
-        first = sites[members[0]]
-        groups.setdefault(("choice", first.choice[0]) if first.choice else ("call", u), []).append(u)
-    firsts = [
-        _alternatives([sites[units[u][0]] for u in us], [sites[i] for u in us for i in units[u]])
-        for us in groups.values()
-    ]
-    unit_group = {u: g for g, us in enumerate(groups.values()) for u in us}
-    if len(firsts) == 1:
-        return firsts[0], _slots(units, unit_group, [(None, None, False)], len(sites))
+        choice = _choice(sites[members[0]], depth)
+        groups.setdefault(("cond", choice[0]) if choice else ("call", u), []).append(u)
+    parts = []  # (site, {unit: slot within the part})
+    for (kind, _), us in groups.items():
+        if kind == "call":
+            (u,) = us
+            occurrences = [sites[i] for i in units[u]]
+            site = dataclasses.replace(occurrences[0], differentiated=any(s.differentiated for s in occurrences))
+            parts.append((site, {u: Slot()}))
+            continue
+        branches: dict = {}
+        for u in us:
+            branches.setdefault(_choice(sites[units[u][0]], depth)[1], []).append(u)
+        alternatives, within = [], {}
+        for bus in branches.values():
+            site, bslots = _stack_units(sites, [units[u] for u in bus], depth + 1)
+            alternatives.append(site)
+            within.update(zip(bus, bslots))
+        if len(alternatives) == 1:  # one branch here: the site stays that branch's (for a level above)
+            parts.append((alternatives[0], within))
+            continue
+        merged = merge_branches(alternatives, "a jax.vmap of a lax.cond")
+        if merged.ncalls:  # a branch whose calls were stacked below: one spliced call is all of them
+            within = {u: Slot(0, merged.ncalls, True) if s.start is None else s for u, s in within.items()}
+        parts.append((dataclasses.replace(merged, choice=merged.choice[:depth] or None), within))
+    if len(parts) == 1:
+        site, within = parts[0]
+        return site, [within[u] for u in range(len(units))]
+    firsts = [site for site, _ in parts]
     first = firsts[0]
     sources = tuple(dict.fromkeys(src for s in firsts for src in s.sources))
     if not all(s.repeated for s in firsts):
@@ -183,9 +223,11 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
         )
     else:
         problem = next((s.problem for s in firsts if s.problem), None)
-    ranges, count = [], 0
-    for site in firsts:
-        ranges.append((count, count + site.units(), bool(site.ncalls)))
+    slots: list = [None] * len(units)
+    count = 0
+    for site, within in parts:
+        for u, slot in within.items():
+            slots[u] = _offset(slot, count, site)
         count += site.units()
     stack = first.stack[1:] if first.ncalls else first.stack
     merged = dataclasses.replace(
@@ -197,9 +239,27 @@ def stack_calls(sites: Sequence[Site]) -> tuple[Site, list[Slot]]:
         ncalls=count,
         differentiated=any(s.differentiated for s in firsts),
         remat=False,
+        choice=_common_choice(firsts),
         **_refusals_of(firsts),
     )
-    return merged, _slots(units, unit_group, ranges, len(sites))
+    return merged, slots
+
+
+def _common_choice(sites: Sequence[Site]) -> tuple | None:
+    """The vmapped-cond branches that all of ``sites`` are in (outermost first), or None."""
+    common: tuple = ()
+    for entries in zip(*(s.choice or () for s in sites)):
+        if len(set(entries)) > 1:
+            break
+        common += (entries[0],)
+    return common or None
+
+
+def _offset(slot: Slot, start: int, part: Site) -> Slot:
+    """``slot`` within a part that starts at call ``start`` of the stacked site."""
+    if slot.start is None:  # the part is this one call, or (spliced) all of its calls
+        return Slot(start, start + part.units(), bool(part.ncalls))
+    return Slot(start + slot.start, start + slot.stop, slot.spliced)
 
 
 def _refusals_of(sites: Sequence[Site]) -> dict:
@@ -237,27 +297,6 @@ def _copies(sites: Sequence[Site]) -> list[list[int]]:
         else:
             units.extend([i] for i in members)
     return sorted(units, key=min)
-
-
-def _alternatives(alternatives: list[Site], occurrences: list[Site]) -> Site:
-    """One site from the branches of a vmapped cond (or from one call), its copies included."""
-    differentiated = any(s.differentiated for s in occurrences)
-    if len(alternatives) == 1:
-        return dataclasses.replace(alternatives[0], differentiated=differentiated)
-    merged = merge_branches(alternatives, "a jax.vmap of a lax.cond")
-    return dataclasses.replace(merged, choice=None, differentiated=differentiated)
-
-
-def _slots(units: list, unit_group: dict, ranges: list, n: int) -> list[Slot]:
-    """Each occurrence's slot: its group's range; only a call's first occurrence is primary."""
-    slots: list = [None] * n
-    for u, members in enumerate(units):
-        start, stop, spliced = ranges[unit_group[u]] if len(ranges) > 1 else ranges[0]
-        if start is not None and not spliced:
-            stop = start + 1
-        for j, i in enumerate(members):
-            slots[i] = Slot(start, stop, spliced, j == 0)
-    return slots
 
 
 def merge_branches(sites: Sequence[Site], where: str) -> Site:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -600,27 +599,20 @@ def _always(leaf) -> bool:
 
 
 def _report_evaluated(evaluated: dict, sites: dict, tags) -> None:
-    """Tags that ``jax.ensure_compile_time_eval`` evaluated away: an error if asked for by name,
-    else a warning (never a silent drop)."""
+    """Tags that ``jax.ensure_compile_time_eval`` evaluated away: a ``TagError`` when the call asks
+    for them (by name, ``tags=None`` or a predicate), never a silent drop."""
     staged = {s.name for s in sites.values()}
     lost = {n: line for n, line in evaluated.items() if n not in staged}
-    if not lost:
-        return
-    named = [tags] if isinstance(tags, str) else list(tags) if isinstance(tags, (list, tuple)) else []
-    for name in named:
-        if name in lost:
-            raise TagError(
-                f"The tag {name!r} (at {lost[name]}) was evaluated under jax.ensure_compile_time_eval(): it is "
-                "a constant computed while tracing, not part of the program, so no gradient, tangent or "
-                "replacement can reach it. Move the jt.tag call out of the ensure_compile_time_eval block."
-            )
-    listed = ", ".join(f"{n!r} (at {line})" for n, line in lost.items() if tags is None or (callable(tags) and tags(n)))
-    if listed:
-        warnings.warn(
-            f"jaxtrace: the tags {listed} were evaluated under jax.ensure_compile_time_eval(): they are "
-            "constants computed while tracing, not part of the program, so they are left out of the result. "
-            "Move the jt.tag calls out of the ensure_compile_time_eval block.",
-            stacklevel=4,
+    if isinstance(tags, str):
+        tags = [tags]
+    asked = [n for n in lost if tags is None or (tags(n) if callable(tags) else n in tags)]
+    if asked:
+        listed = ", ".join(f"{n!r} (at {lost[n]})" for n in asked)
+        raise TagError(
+            f"The tag {listed} was evaluated under jax.ensure_compile_time_eval(): it is a constant "
+            "computed while tracing, not part of the program, so no gradient, tangent or replacement can "
+            "reach it. Move the jt.tag call out of the ensure_compile_time_eval block, or leave the tag out "
+            "with tags=."
         )
 
 

@@ -55,7 +55,9 @@ def _mask_branch(branch, i: int, cond: int, index_aval):
             x, *active = invals
             mask = jnp.broadcast_to(taken, jnp.shape(x))
             mask = mask & active[0] if active else mask
-            return tag_p.bind(new, mask, **{**eqn.params, "choice": (cond, i)})
+            # Conds are batched outermost first: an inner cond's choice comes after its outer's.
+            choice = (*(eqn.params.get("choice") or ()), (cond, i))
+            return tag_p.bind(new, mask, **{**eqn.params, "choice": choice})
 
         outs, _ = Splitter(program, list(program.sites.values()), keep, retag=retag)(ops, {})
         return outs

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union, cast
 
 import jax
@@ -228,7 +229,7 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     mags = [jnp.abs(_as_float(leaf)) for leaf in leaves]
     dtype = jnp.result_type(*mags)
     mags = [m.astype(dtype) for m in mags]
-    count = sum(int(np.prod(s[keep:], dtype=np.int64)) for s in shapes)
+    count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
 
     out = {}
     scale = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax, initial=0.0) for m, ax in zip(mags, axes_of)])
@@ -244,15 +245,20 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
             out["norm"] = jnp.where(jnp.isfinite(max_abs), norm, max_abs).astype(dtype)
         if "mean_abs" in stats:
             total = sum(jnp.sum(m / expand(m), axis=ax) for m, ax in zip(mags, axes_of))
-            mean = safe * total / count if count else jnp.full(kept_shape, jnp.nan, dtype)
+            mean = safe * total / count if not _is_empty(count) else jnp.full(kept_shape, jnp.nan, dtype)
             out["mean_abs"] = jnp.where(jnp.isfinite(max_abs), mean, max_abs).astype(dtype)
     if "max_abs" in stats:
         out["max_abs"] = max_abs
     if "nonfinite" in stats:
         # An Array: mags is never empty (sum's int start only types the empty case).
         bad = cast(jax.Array, sum(jnp.sum(~jnp.isfinite(m), axis=ax, dtype=jnp.int32) for m, ax in zip(mags, axes_of)))
-        out["nonfinite"] = (bad / count if count else jnp.zeros(kept_shape)).astype(dtype)
+        out["nonfinite"] = (bad / count if not _is_empty(count) else jnp.zeros(kept_shape)).astype(dtype)
     return {s: out[s] for s in stats}
+
+
+def _is_empty(count) -> bool:
+    """No entries: a symbolic size (jax.export) is at least 1."""
+    return isinstance(count, (int, np.integer)) and count == 0
 
 
 def _as_float(leaf):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_trees_close
-from jax import lax
+from jax import export, lax
 
 import jaxtrace as jt
 
@@ -119,3 +119,37 @@ def test_transforms_around_jacrev(maybe_jit):
     # capture around it still sees the tag (a split leaves its tags in place).
     _, values = maybe_jit(jt.capture(lambda w: jt.jacrev(losses)(w, X)))(W)
     assert_trees_close(values["h"], jnp.tanh(W @ X))
+
+
+def mixed_outputs(x, eps=None):
+    """Outputs of three precisions and one of size 0, as jax.jacrev takes them."""
+    t = x * 2 if eps is None else x * 2 + eps
+    t = jt.tag(t, "t") if eps is None else t
+    return {
+        "f32": (t * 3).astype(jnp.float32),
+        "bf16": jnp.sin(t).astype(jnp.bfloat16),
+        "f64": t**2,
+        "empty": jnp.zeros((0, 2)) * t[0],
+    }
+
+
+def test_mixed_precision_and_empty_outputs_as_jax_jacrev(maybe_jit):
+    x = jnp.array([0.5, -1.0])
+    jac, tag_jacs = maybe_jit(jt.jacrev(mixed_outputs))(x)
+    want = jax.jacrev(mixed_outputs)(x)
+    assert_trees_close(jac, want, rtol=1e-2, atol=1e-2)  # bf16 rows
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), jac) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
+    want_tag = jax.jacrev(mixed_outputs, argnums=1)(x, jnp.zeros(2))
+    assert_trees_close(tag_jacs["t"], want_tag, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(tag_jacs["t"]["f64"], want_tag["f64"], rtol=1e-14)
+    assert tag_jacs["t"]["empty"].shape == (0, 2, 2)
+
+
+def test_jacrev_exports_with_a_symbolic_output_size():
+    def f(x):
+        return 2 * jt.tag(jnp.tanh(x), "h")
+
+    (b,) = export.symbolic_shape("b")
+    exported = export.export(jax.jit(jt.jacrev(f)))(jax.ShapeDtypeStruct((b, 3), jnp.float64))
+    xs = jnp.arange(6.0).reshape(2, 3) / 5
+    assert_trees_close(exported.call(xs), jt.jacrev(f)(xs))

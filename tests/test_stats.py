@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from jax import export, lax
 
 import jaxtrace as jt
 from jaxtrace import stats
@@ -299,3 +299,20 @@ def test_summarize_tag_jacobians_per_term(maybe_jit, detach):
 def test_summarize_terms_structure_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="structure of terms="):
         stats.summarize({"h": {"a": jnp.ones(2)}}, terms={"b": 1.0, "c": 2.0})
+
+
+def test_value_and_grad_exports_with_a_symbolic_batch():
+    def loss(w, xs):
+        def step(h, x):
+            return jt.tag(jnp.tanh(w * h + x), "h"), None
+
+        return jnp.sum(lax.scan(step, jnp.zeros(xs.shape[1:]), xs)[0])
+
+    (b,) = export.symbolic_shape("b")
+    for per_example in (False, True):
+        step = jax.jit(stats.value_and_grad(loss, per_example=per_example))
+        exported = export.export(step)(jax.ShapeDtypeStruct((), jnp.float64), jax.ShapeDtypeStruct((5, b), jnp.float64))
+        xs = jnp.linspace(-1, 1, 15).reshape(5, 3)
+        got, want = exported.call(0.5, xs), step(0.5, xs)
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=1e-12)
