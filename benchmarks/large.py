@@ -2,10 +2,12 @@
 
 ``transformer(...)`` is a pre-LayerNorm decoder stack built from ``eqx.nn`` layers
 (``Embedding``, ``LayerNorm``, ``MultiheadAttention``, ``Linear``), so that
-``jt.tag_modules`` finds every submodule: 11 tags per block. ``hooked(model, store)``
-is the hook-style port of the same model: the same submodules, each output passed
-through an identity ``custom_vjp`` that sends its cotangent to the host
-(``models.HookStore``), which is what a PyTorch-style hook amounts to in JAX.
+``jt.tag_modules`` finds every submodule: 11 tags per block. ``tagging(tag)`` runs
+the same tagged modules with another tag function: the hook-style port (each output
+through an identity ``custom_vjp`` that sends its cotangent to the host,
+``models.HookStore``, which is what a PyTorch-style hook amounts to in JAX), the
+recipe (``models.logged``) or the hand-written ``+ eps``. ``model(quick)`` is the
+benchmark model in the form every driver takes (``models.Model``).
 """
 
 from __future__ import annotations
@@ -91,17 +93,44 @@ def loss(model, tokens, targets):
 
 
 @contextlib.contextmanager
-def hooked(store: M.HookStore):
-    """While tracing: ``jt.tag_modules`` models send each module's cotangent to the host instead.
+def tagging(tag):
+    """While tracing: ``jt.tag_modules`` models call ``tag(value, name)`` on each module's output
+    instead of ``jt.tag``.
 
-    Benchmark-only: it swaps the tag function that tagged modules call for the
-    hook-style identity, so the hook-style port has exactly the same modules.
+    Benchmark-only: it swaps the tag function that tagged modules call, so that the other
+    variants (hook-style port, recipe, hand ``+ eps``) have exactly the same modules.
     """
-    def hook(value, name, repeated=False):
-        return jax.tree_util.tree_map(lambda v: store.tag(v, name), value)
-
-    with mock.patch.object(_jt_equinox, "tag", hook):
+    with mock.patch.object(_jt_equinox, "tag", lambda value, name, repeated=False: tag(value, name)):
         yield
+
+
+def hooked(store: M.HookStore):
+    """While tracing: ``jt.tag_modules`` models send each module's cotangent to the host instead."""
+    return tagging(store.tag)
+
+
+def model(quick: bool, layers: int | None = None) -> M.Model:
+    """The large model as a ``models.Model``: ``loss(params, (tokens, targets), tag, eps=None)``."""
+    if quick:
+        net, tokens, targets = transformer(layers=layers or 2, d=64, seq=16, batch=2)
+    else:
+        net, tokens, targets = transformer(layers=layers or 24)
+    params, static = eqx.partition(net, eqx.is_array)
+    tagged_params, tagged_static = eqx.partition(jt.tag_modules(net), eqx.is_array)
+
+    def bench_loss(p, data, tag, eps=None):
+        if tag is M.identity and eps is None:  # plain: the untagged model
+            return loss(eqx.combine(p, static), *data)
+        if tag is jt.tag:
+            return loss(eqx.combine(p, tagged_static), *data)
+        assert eps is None, "no hand-written + eps program for this model (see hand=False)"
+        with tagging(tag):
+            return loss(eqx.combine(p, tagged_static), *data)
+
+    n_tags = count_tags(net, tokens, targets)
+    return M.Model("large", bench_loss, tagged_params, (tokens, targets), "blocks.0.mlp",
+                   f"equinox transformer: {len(net.blocks)} blocks, d {net.ln_f.shape[0]}, tokens {tokens.shape}; "
+                   f"jt.tag_modules on every submodule: {n_tags} tags", plain_params=params, hand=False)
 
 
 def count_tags(model, tokens, targets) -> int:

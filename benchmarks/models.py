@@ -1,14 +1,16 @@
 """The benchmark models, each written once with a ``tag(value, name)`` argument.
 
 Every JAX model is ``loss(params, x, tag, eps=None) -> scalar``. The variants
-differ only in ``tag``: ``identity`` (the baseline, an untagged program),
-``jaxtrace.tag``, or ``HookStore.tag`` (the hook-style JAX alternative: an
-identity ``custom_vjp`` whose backward pass sends the cotangent to the host
-with ``io_callback``). With ``eps`` (``{name: zeros}``) each tag becomes an
-explicit ``value + eps[name]`` (per step inside a scan): the program one would
-write by hand to get these gradients with plain ``jax.value_and_grad``.
-``torch_model`` builds the same model in PyTorch, with the same weights, where
-tags become ``Tensor.register_hook``.
+(``drivers.py``) differ only in ``tag``: ``identity`` (plain, an untagged
+program), ``jaxtrace.tag``, ``logged`` (JAX 0.12's backward logs: an identity
+``custom_vjp`` registered with ``defvjp_with_logs``), or ``HookStore.tag`` (the
+hook-style JAX alternative: an identity ``custom_vjp`` whose backward pass
+sends the cotangent to the host with ``io_callback``). With ``eps``
+(``{name: zeros}``) each tag becomes an explicit ``value + eps[name]`` (per
+step inside a scan): the program one would write by hand to get these
+gradients with plain ``jax.value_and_grad``. ``torch_loss`` is the same model
+in PyTorch, with the same weights, where tags become ``Tensor.register_hook``.
+The scaling and compile-sweep chains are models of the same form.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class HookStore:
         self.values = {}
 
     def tag(self, value, name):
-        return _hook_identity(self, name)(value)
+        return jax.tree_util.tree_map(_hook_identity(self, name), value)
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,6 +66,36 @@ def _hook_identity(store: HookStore, name: str):
     return ident
 
 
+# --- JAX 0.12's backward logs (the recipe) -------------------------------------
+
+HAS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+NO_LOGS_NOTE = (f"the recipe needs jax.custom_vjp.defvjp_with_logs (JAX >= 0.12); JAX {jax.__version__} has none, "
+                "so its column is skipped")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _logged(value, name):
+    return value
+
+
+def _logged_fwd(value, name):
+    return value, None
+
+
+def _logged_bwd(name, _, ct):
+    return (ct,), {name: ct}
+
+
+if HAS_LOGS:
+    _logged.defvjp_with_logs(_logged_fwd, _logged_bwd)
+
+
+def logged(value, name):
+    """The recipe's tag: an identity whose backward pass logs its cotangent as ``name``
+    (read with ``f_vjp.with_logs(ct)`` on what ``jax.vjp`` returns)."""
+    return _logged(value, name)
+
+
 # --- models ---------------------------------------------------------------------
 
 
@@ -76,6 +108,10 @@ class Model:
     one_tag: str  # the tag captured by the "one tag" variant
     describe: str
     torch_loss: Callable | None = None  # (torch params, torch x, hook(name) -> fn | None) -> scalar
+    plain_params: Any = None  # the untagged program's params, where they differ (the large model)
+    hook: bool = True  # the hook-style variant applies
+    hand: bool = True  # the hand-written + eps variant exists
+    check: bool = True  # compare every variant's gradients (off where the values are huge)
 
 
 def _marker(tag, eps):
@@ -249,8 +285,55 @@ def cnn(batch=32, size=32, channels=(16, 32, 64), classes=10, seed=0) -> Model:
                  torch_loss)
 
 
+def chain(n=500, shared=None, width=64, batch=8) -> Model:
+    """The compile-sweep model (issue 17's chain): ``n`` layers ``tanh(h @ w)``, a tag on each;
+    ``n`` weights, or ``shared`` weights used in turn."""
+    k = shared or n
+    params = [np.eye(width, dtype=np.float32) * 0.5 for _ in range(k)]
+    x = np.ones((batch, width), np.float32)
+
+    def loss(ws, h, tag, eps=None):
+        tag = _marker(tag, eps)
+        for i in range(n):
+            h = tag(jnp.tanh(h @ ws[i % k]), f"l{i}")
+        return jnp.sum(h)
+
+    weights = f"{shared} shared weights" if shared else "a weight per layer"
+    return Model(f"chain{n}" + (f"/{shared}" if shared else ""), loss, params, x, "l0",
+                 f"chain of {n} tanh(h @ w) layers, {weights}, width {width}, batch {batch}, a tag per layer",
+                 hook=False)
+
+
+def sin_chain(n: int) -> Model:
+    """The tag-scaling model: ``n`` ``sin``, a tag on each."""
+
+    def loss(params, x, tag, eps=None):
+        tag = _marker(tag, eps)
+        for i in range(n):
+            x = tag(lax.sin(x) * params, f"t{i}")
+        return jnp.sum(x)
+
+    return Model(f"sin{n}", loss, np.float32(1.0), np.ones(4, np.float32), "t0", f"chain of {n} sin, a tag each",
+                 hook=False)
+
+
+def looped(length: int, width=16) -> Model:
+    """The scan-scaling model: a ``width``-wide tanh layer scanned ``length`` steps, a tag per step."""
+
+    def loss(w, h, tag, eps=None):
+        def step(h, e):
+            h = jnp.tanh(h @ w)
+            return (tag(h, "h") if e is None else h + e), None
+
+        h, _ = lax.scan(step, h, None if eps is None else eps["h"], length=length)
+        return jnp.sum(h)
+
+    return Model(f"scan{length}", loss, np.eye(width, dtype=np.float32) * 0.5, np.ones((4, width), np.float32), "h",
+                 f"tanh layer, width {width}, scanned {length} steps, a tag per step", hook=False)
+
+
 def models(quick: bool) -> list[Model]:
     if quick:
         return [mlp(width=256, batch=64), rnn(width=64, steps=64, batch=16),
-                attention(layers=2, seq=64, d=128, heads=4, batch=4), cnn(batch=8, size=16)]
-    return [mlp(), rnn(), attention(), cnn()]
+                attention(layers=2, seq=64, d=128, heads=4, batch=4), cnn(batch=8, size=16), chain(100, shared=4)]
+    return [mlp(), rnn(), attention(), cnn(), chain(500, shared=4)]

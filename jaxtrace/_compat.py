@@ -90,7 +90,9 @@ def define_primitive(
     if linearize is not None and _LINEARIZE_LAYOUT is not None:
         _LINEARIZATIONS[prim] = _adapt_linearize(linearize, *_LINEARIZE_LAYOUT)
     _public_batching.primitive_batchers[prim] = batch
-    _public_mlir.register_lowering(prim, lowering)
+    # Not cached: a cached lowering is keyed by params, and a tag's params are its own (name,
+    # call), so every tag would miss and be emitted as a function and inlined again.
+    _public_mlir.register_lowering(prim, lowering, cacheable=False)
     if transpose is not None:
         _public_ad.primitive_transposes[prim] = transpose
     if jet is not None:
@@ -243,10 +245,67 @@ def bind_equation(eqn, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def source_context(eqn):
-    """A context in which new equations get ``eqn``'s source line (a re-bound tag keeps its line)."""
-    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-    return _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+def splice_step(eqn, refs: tuple) -> tuple | None:
+    """What ``spliced`` needs to bind ``eqn`` inside a run of equations, as a hashable value
+    (``refs``: where its operands come from); None where it cannot go in a run (a higher-order
+    or effectful equation, params that cannot be hashed)."""
+    if eqn.effects or sub_jaxprs(eqn.params):
+        return None
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(bind_params, tuple):  # JAX < 0.9.2: (subfuns, params)
+        subfuns, bind_params = bind_params
+        if subfuns:
+            return None
+    step = (eqn.primitive, tuple(sorted(bind_params.items())), eqn.ctx, eqn.source_info.name_stack, refs)
+    try:
+        hash(step)
+    except TypeError:
+        return None
+    return step
+
+
+def user_lines(eqn) -> tuple:
+    """The user's source lines of an equation (file, function, line of each user frame, innermost
+    first): equations with the same lines can be bound as one call without losing a line."""
+    return tuple((f.file_name, f.function_name, f.start_line)
+                 for f in _source_info_util.user_frames(eqn.source_info.traceback))
+
+
+def is_linearizing(invals: Sequence[Any]) -> bool:
+    """Whether ``jax.vjp`` is differentiating through these values (``_linearized_bind``'s case)."""
+    return _LINEARIZE_TRACER is not None and any(isinstance(v, _LINEARIZE_TRACER) for v in invals)
+
+
+@functools.lru_cache(maxsize=4096)
+def spliced(steps: tuple, outputs: tuple):
+    """A run of first-order equations as one function, inlined where it is called.
+
+    ``steps`` are ``splice_step``'s, each ``refs`` entry ``(0, i)`` (the run's input ``i``),
+    ``(1, j, k)`` (output ``k`` of step ``j``) or ``(2, value)`` (a literal); ``outputs`` are
+    ``(j, k)``. Cached on the structure, so runs that repeat (the layers of a network) share
+    one function: ``jax.vjp`` linearizes it once for them all (``_pjit_linearize`` caches on
+    the traced jaxpr), instead of each of their equations one by one.
+    """
+
+    def run(*args):
+        values: list = []
+        for primitive, params, ctx, name_stack, refs in steps:
+            invals = [args[r[1]] if r[0] == 0 else values[r[1]][r[2]] if r[0] == 1 else r[1] for r in refs]
+            stack = _source_info_util.current_name_stack() + name_stack
+            with _source_info_util.user_context(None, name_stack=stack), ctx.manager:
+                out = primitive.bind(*invals, **dict(params))
+            values.append(out if primitive.multiple_results else (out,))
+        return [values[j][k] for j, k in outputs]
+
+    return jax.jit(run, inline=_INLINE_EARLY)
+
+
+def source_context(eqn, name_stack: bool = True):
+    """A context in which new equations get ``eqn``'s source line (a re-bound tag keeps its line),
+    and its name stack unless ``name_stack`` is False."""
+    stack = _source_info_util.current_name_stack() + (eqn.source_info.name_stack if name_stack else
+                                                         _source_info_util.NameStack())
+    return _source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
 
 
 def _linearized_bind(primitive, params: dict, invals: Sequence[Any]):
@@ -275,7 +334,12 @@ def _jitted_primitive(primitive, params: tuple):
     def bind(*args):
         return primitive.bind(*args, **dict(params))
 
-    return jax.jit(bind, inline=True)
+    return jax.jit(bind, inline=_INLINE_EARLY)
+
+
+# Inlined into the jaxpr while tracing. Since JAX 0.12 ``inline=True`` means inlined while
+# lowering (``jax.Inline.JAX_LATE``): a call per equation left for the lowering to emit.
+_INLINE_EARLY = jax.Inline.JAX_EARLY if hasattr(jax, "Inline") else True
 
 
 def source_line(eqn) -> str:
