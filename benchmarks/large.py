@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxtrace as jt
-import jaxtrace._equinox as _jt_equinox
+import jaxtrace._module_tags as _jt_module_tags
 
 import models as M
 
@@ -100,7 +100,7 @@ def tagging(tag):
     Benchmark-only: it swaps the tag function that tagged modules call, so that the other
     variants (hook-style port, recipe, hand ``+ eps``) have exactly the same modules.
     """
-    with mock.patch.object(_jt_equinox, "tag", lambda value, name, repeated=False: tag(value, name)):
+    with mock.patch.object(_jt_module_tags, "tag", lambda value, name, repeated=False: tag(value, name)):
         yield
 
 
