@@ -6,6 +6,8 @@ called twice); under jit, under vmap, bfloat16; fallback="error"; a traced max_n
 jax.grad around clipped_grad.
 """
 
+import os
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,8 @@ import jaxtrace as jt
 nnx = pytest.importorskip("flax.nnx")
 
 F64 = jnp.float64
+# larger cases: marked slow, and run only with JAXTRACE_SLOW=1 (the marker's "off by default")
+SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("JAXTRACE_SLOW") != "1", reason="slow: JAXTRACE_SLOW=1")]
 KEY = jax.random.key(0)
 
 
@@ -80,15 +84,17 @@ def jit(f):
 
 
 def check(fun, model, *batch, fallback="vmap"):
-    losses, sq = jit(jt.per_example_norms(fun, fallback=fallback))(model, *batch)
+    """Norms, and the clipped sum with max_norm the median norm (it bites for half the examples), in one jit."""
+
+    def ours(model, *batch):
+        losses, sq = jt.per_example_norms(fun, fallback=fallback)(model, *batch)
+        max_norm = jnp.median(jnp.sqrt(sum(jax.tree.leaves(sq))))
+        return losses, sq, max_norm, jt.clipped_grad(fun, max_norm, fallback=fallback)(model, *batch)[1]
+
+    losses, sq, max_norm, grads = jit(ours)(model, *batch)
     np.testing.assert_allclose(losses, fun(model, *batch), rtol=1e-12)
-    close(sq, oracle_norms(fun, model, *batch))
-    _, total = jit(jt.per_example_norms(fun, fallback=fallback, total=True))(model, *batch)
-    np.testing.assert_allclose(total, sum(jax.tree.leaves(sq)), rtol=1e-12)
-    max_norm = float(jnp.median(jnp.sqrt(total)))  # the clipping bites for half the examples
-    _, grads = jit(jt.clipped_grad(fun, max_norm, fallback=fallback))(model, *batch)
-    ref = oracle_clipped(fun, max_norm, model, *batch)
-    close(grads, ref)
+    close(sq, jit(lambda m, *b: oracle_norms(fun, m, *b))(model, *batch))
+    close(grads, jit(lambda m, c, *b: oracle_clipped(fun, c, m, *b))(model, max_norm, *batch))
 
 
 # --- models ----------------------------------------------------------------------------
@@ -235,7 +241,7 @@ def test_cnn_nnx():
     check(mse, to_dtype(NnxCNN(nnx.Rngs(0))), data(B, 7, 7, 2), data(B, 3, key=2), fallback="error")
 
 
-@pytest.mark.parametrize("dims", [1, 3])
+@pytest.mark.parametrize("dims", [1, pytest.param(3, marks=SLOW)])
 def test_conv_1d_3d(dims):
     eq = to_dtype(eqx.nn.Conv(dims, 2, 3, 2, stride=2, padding=1, key=KEY))
     fun = lambda m, x: jnp.sum(jnp.tanh(jax.vmap(m)(x)).reshape(x.shape[0], -1) ** 2, 1)  # noqa: E731
@@ -296,10 +302,13 @@ def test_batch_size_equal_to_other_axes():
     close(sq, oracle_norms(eqx_lm, model, ids, ids[:, ::-1]))
 
 
-def test_batch_of_one():
+def test_batch_of_one_and_total():
     model = to_dtype(eqx.nn.MLP(3, 2, 8, 2, key=KEY))
     x, y = data(1, 3), data(1, 2, key=2)
-    close(jit(jt.per_example_norms(mse))(model, x, y)[1], oracle_norms(mse, model, x, y))
+    _, sq = jit(jt.per_example_norms(mse))(model, x, y)
+    close(sq, oracle_norms(mse, model, x, y))
+    _, total = jit(jt.per_example_norms(mse, total=True))(model, x, y)
+    np.testing.assert_allclose(total, sum(jax.tree.leaves(sq)), rtol=1e-12)
 
 
 # --- transforms around, dtypes, errors -------------------------------------------------------
@@ -343,7 +352,7 @@ def test_traced_max_norm_and_grad_around():
     close(ours, ref, rtol=1e-9)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=SLOW), jnp.bfloat16])
 def test_low_precision(dtype):
     """The norms accumulate in float32 at least; compared with the float64 oracle on the same weights."""
     model = to_dtype(EqxBlock(11, 8, 5, KEY), dtype)
@@ -352,7 +361,7 @@ def test_low_precision(dtype):
     losses, sq = jit(jt.per_example_norms(eqx_lm))(model, ids, targets)
     assert losses.dtype == dtype
     assert all(s.dtype == jnp.float32 for s in jax.tree.leaves(sq))
-    ref = oracle_norms(eqx_lm, to_dtype(model, F64), ids, targets)
+    ref = jit(lambda m, i, t: oracle_norms(eqx_lm, m, i, t))(to_dtype(model, F64), ids, targets)
     tol = 2e-4 if dtype == jnp.float32 else 1e-1
     for a, e in zip(jax.tree.leaves(sq), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, e, rtol=tol, atol=tol * float(jnp.max(e)))
@@ -360,11 +369,20 @@ def test_low_precision(dtype):
     assert all(g.dtype == dtype for g in jax.tree.leaves(grads))
 
 
+class WithRaw(eqx.Module):
+    lin: eqx.nn.Linear
+    scale: jax.Array
+
+    def __call__(self, x):
+        return self.lin(x) * self.scale
+
+
 def test_fallback_error_names_leaf_and_module():
-    model = to_dtype(EqxBlock(11, 8, 5, KEY))
-    ids = jnp.zeros((B, 5), int)
-    with pytest.raises(jt.TagError, match=r"'pos' \(in module '', EqxBlock\)"):
-        jt.per_example_norms(eqx_lm, fallback="error")(model, ids, ids)
+    model = WithRaw(eqx.nn.Linear(3, 2, key=KEY), jnp.ones(2))
+    with pytest.raises(jt.TagError, match=r"'scale' \(in module '', WithRaw\)"):
+        jt.per_example_norms(mse, fallback="error")(model, jnp.ones((B, 3)), jnp.ones((B, 2)))
+    x, y = data(B, 3), data(B, 2, key=2)  # and fallback="vmap" computes `scale` alone by vmap(grad)
+    close(jit(jt.per_example_norms(mse))(to_dtype(model), x, y)[1], oracle_norms(mse, to_dtype(model), x, y))
 
 
 def test_errors():
