@@ -782,7 +782,7 @@ def per_example_norms(fun: Callable, argnums: int = 0, *, fallback: str = "vmap"
         >>> def losses(model, x, y):
         ...     return jnp.sum((jax.vmap(model)(x) - y) ** 2, axis=-1)
         >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
-        >>> losses, sq = jax.jit(jt.per_example_norms(losses, total=True))(model, x, y)
+        >>> losses, sq = eqx.filter_jit(jt.per_example_norms(losses, total=True))(model, x, y)
         >>> sq.shape
         (4,)
     """
@@ -817,7 +817,7 @@ def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "
         >>> def losses(model, x, y):
         ...     return jnp.sum((jax.vmap(model)(x) - y) ** 2, axis=-1)
         >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
-        >>> losses, grads = jax.jit(jt.clipped_grad(losses, 1.0))(model, x, y)
+        >>> losses, grads = eqx.filter_jit(jt.clipped_grad(losses, 1.0))(model, x, y)
         >>> grads.layers[0].weight.shape
         (8, 3)
     """

@@ -394,3 +394,44 @@ def test_errors():
         jt.per_example_norms(mse, fallback="loop")(model, x, y)
     with pytest.raises(TypeError, match="equinox or Flax NNX"):
         jt.per_example_norms(mse)({"w": jnp.ones(3)}, x, y)
+
+
+SHARDED = r"""
+import jax, jax.numpy as jnp, numpy as np, equinox as eqx
+jax.config.update("jax_enable_x64", True)
+import jaxtrace as jt
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+assert len(jax.devices()) == 4
+model = jax.tree.map(lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a,
+                     eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0)))
+x = jax.random.normal(jax.random.key(1), (8, 3), jnp.float64)
+y = jax.random.normal(jax.random.key(2), (8, 2), jnp.float64)
+mesh = Mesh(np.array(jax.devices()), ("batch",))
+xs, ys = (jax.device_put(a, NamedSharding(mesh, P("batch"))) for a in (x, y))
+def losses(m, x, y):
+    return jnp.sum((jax.vmap(m)(x) - y) ** 2, axis=-1)
+_, total = eqx.filter_jit(jt.per_example_norms(losses, total=True))(model, xs, ys)
+_, grads = eqx.filter_jit(jt.clipped_grad(losses, 0.5))(model, xs, ys)
+one = lambda m, xi, yi: losses(m, xi[None], yi[None])[0]
+per = jax.vmap(eqx.filter_grad(one), in_axes=(None, 0, 0))(model, x, y)
+ref = sum(jnp.sum(g.reshape(8, -1) ** 2, 1) for g in jax.tree.leaves(per))
+np.testing.assert_allclose(total, ref, rtol=1e-10)
+w = jnp.minimum(1.0, 0.5 / jnp.sqrt(ref))
+for a, g in zip(jax.tree.leaves(grads), jax.tree.leaves(per)):
+    np.testing.assert_allclose(a, jnp.tensordot(w, g, 1), rtol=1e-10, atol=1e-12)
+print("sharded ok", total.sharding)
+"""
+
+
+def test_sharded_batch():
+    """A batch sharded over 4 CPU devices (XLA_FLAGS fixes the device count at start-up: a subprocess)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sharded ok" in out.stdout
