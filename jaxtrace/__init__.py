@@ -19,6 +19,8 @@ from ._forward import jvp as jvp
 from ._forward import patch as patch
 from ._module_tags import tag_modules as tag_modules
 from ._patch_grad import patch_grad as patch_grad
+from ._per_example import clipped_grad as clipped_grad
+from ._per_example import per_example_norms as per_example_norms
 from ._sites import TagError as TagError
 from ._tag import tag as tag
 from . import _vmap_cond  # noqa: F401  (teaches jax.vmap of lax.cond to mask the tags in its branches)

@@ -1,0 +1,437 @@
+"""jt.per_example_norms and jt.clipped_grad against jax.vmap(jax.grad) per example, float64, 1e-10.
+
+Models: an MLP, a transformer block (attention + MLP + LayerNorm + Embedding), a CNN, on
+equinox and on Flax NNX; tied weights (eqx.nn.Shared, a shared NNX Variable, a module
+called twice); under jit, under vmap, bfloat16; fallback="error"; a traced max_norm;
+jax.grad around clipped_grad.
+"""
+
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtrace as jt
+
+nnx = pytest.importorskip("flax.nnx")
+
+F64 = jnp.float64
+# larger cases: marked slow, and run only with JAXTRACE_SLOW=1 (the marker's "off by default")
+SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("JAXTRACE_SLOW") != "1", reason="slow: JAXTRACE_SLOW=1")]
+KEY = jax.random.key(0)
+
+
+# --- the oracle ------------------------------------------------------------------------
+
+
+def _cast(tree, dtype):
+    return jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, tree)
+
+
+def to_dtype(model, dtype=F64):
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, _cast(state, dtype))
+        for _, node in nnx.iter_graph(model):  # nnx.Embed computes in the dtype it was built with
+            if isinstance(node, nnx.Module) and getattr(node, "dtype", None) is not None:
+                node.dtype = dtype
+        return model
+    return _cast(model, dtype)
+
+
+def per_example_grads(fun, model, *batch):
+    """jax.vmap(jax.grad) of one example's loss: leaves (B, *leaf.shape), in the gradients' structure."""
+
+    def one(m, *ex):
+        return fun(m, *(e[None] for e in ex))[0]
+
+    if isinstance(model, nnx.Module):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        g = jax.grad(lambda p, *ex: one(nnx.merge(graphdef, p, rest), *ex))
+        return jax.vmap(g, in_axes=(None, *[0] * len(batch)))(params, *batch)
+    return jax.vmap(eqx.filter_grad(one), in_axes=(None, *[0] * len(batch)))(model, *batch)
+
+
+def oracle_norms(fun, model, *batch):
+    per = per_example_grads(fun, model, *batch)
+    return jax.tree.map(lambda g: jnp.sum(jnp.square(g.astype(jnp.promote_types(g.dtype, jnp.float32))).reshape(g.shape[0], -1), 1), per)
+
+
+def oracle_clipped(fun, max_norm, model, *batch):
+    per = per_example_grads(fun, model, *batch)
+    total = sum(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), 1) for g in jax.tree.leaves(per))
+    norm = jnp.sqrt(total)
+    w = jnp.where(norm > max_norm, max_norm / jnp.where(norm > max_norm, norm, 1.0), 1.0)
+    return jax.tree.map(lambda g: jnp.tensordot(w.astype(g.dtype), g, 1), per)
+
+
+def close(actual, expected, rtol=1e-10, atol=1e-12):
+    a, e = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    assert len(a) == len(e) and a
+    for x, y in zip(a, e):
+        assert x.shape == y.shape, (x.shape, y.shape)
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+
+
+def jit(f):
+    """nnx.jit for NNX models (it keeps shared modules shared), eqx.filter_jit otherwise."""
+    eqx_jit, nnx_jit = eqx.filter_jit(f), nnx.jit(f)
+    return lambda *args: (nnx_jit if any(isinstance(a, nnx.Module) for a in args) else eqx_jit)(*args)
+
+
+def check(fun, model, *batch, fallback="vmap"):
+    """Norms, and the clipped sum with max_norm the median norm (it bites for half the examples), in one jit."""
+
+    def ours(model, *batch):
+        losses, sq = jt.per_example_norms(fun, fallback=fallback)(model, *batch)
+        max_norm = jnp.median(jnp.sqrt(sum(jax.tree.leaves(sq))))
+        return losses, sq, max_norm, jt.clipped_grad(fun, max_norm, fallback=fallback)(model, *batch)[1]
+
+    losses, sq, max_norm, grads = jit(ours)(model, *batch)
+    np.testing.assert_allclose(losses, fun(model, *batch), rtol=1e-12)
+    close(sq, jit(lambda m, *b: oracle_norms(fun, m, *b))(model, *batch))
+    close(grads, jit(lambda m, c, *b: oracle_clipped(fun, c, m, *b))(model, max_norm, *batch))
+
+
+# --- models ----------------------------------------------------------------------------
+
+
+def mse(model, x, y):
+    out = jax.vmap(model)(x) if isinstance(model, eqx.Module) else model(x)
+    return jnp.sum((out - y) ** 2, axis=-1)
+
+
+B = 6
+
+
+def data(*shape, key=1):
+    return jax.random.normal(jax.random.key(key), shape, F64)
+
+
+class EqxBlock(eqx.Module):
+    embed: eqx.nn.Embedding
+    pos: jax.Array
+    ln1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    ln2: eqx.nn.RMSNorm
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, vocab, d, t, key):
+        k = jax.random.split(key, 6)
+        self.embed = eqx.nn.Embedding(vocab, d, key=k[0])
+        self.pos = jax.random.normal(k[1], (t, d)) * 0.1
+        self.ln1 = eqx.nn.LayerNorm(d)
+        self.attn = eqx.nn.MultiheadAttention(2, d, use_query_bias=True, use_output_bias=True, key=k[2])
+        self.ln2 = eqx.nn.RMSNorm(d)
+        self.up = eqx.nn.Linear(d, 2 * d, key=k[3])
+        self.down = eqx.nn.Linear(2 * d, d, key=k[4])
+        self.head = eqx.nn.Linear(d, vocab, key=k[5])
+
+    def __call__(self, ids):
+        h = jax.vmap(self.embed)(ids) + self.pos
+        a = jax.vmap(self.ln1)(h)
+        h = h + self.attn(a, a, a)
+        m = jax.vmap(self.ln2)(h)
+        h = h + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(m)))
+        return jax.vmap(self.head)(h)
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, vocab, d, t, rngs):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.pos = nnx.Embed(t, d, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.q, self.k, self.v, self.o = (nnx.Linear(d, d, rngs=rngs) for _ in range(4))
+        self.ln2 = nnx.RMSNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, 2 * d, rngs=rngs)
+        self.down = nnx.Linear(2 * d, d, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
+        self.heads = 2
+
+    def __call__(self, ids, positions):
+        h = self.embed(ids) + self.pos(positions)
+        a = self.ln1(h)
+        split = lambda z: z.reshape(*z.shape[:-1], self.heads, -1)  # noqa: E731
+        q, k, v = split(self.q(a)), split(self.k(a)), split(self.v(a))
+        w = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1]), axis=-1)
+        h = h + self.o(jnp.einsum("bhts,bshd->bthd", w, v).reshape(h.shape))
+        h = h + self.down(jax.nn.gelu(self.up(self.ln2(h))))
+        return self.head(h)
+
+
+def xent(logits, targets):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], axis=-1)
+
+
+def eqx_lm(model, ids, targets):
+    return xent(jax.vmap(model)(ids), targets)
+
+
+def nnx_lm(model, ids, positions, targets):
+    return xent(model(ids, positions), targets)
+
+
+class EqxCNN(eqx.Module):
+    c1: eqx.nn.Conv2d
+    c2: eqx.nn.Conv2d
+    fc: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.c1 = eqx.nn.Conv2d(2, 3, 3, stride=2, padding=1, key=k[0])
+        self.c2 = eqx.nn.Conv2d(3, 4, 2, dilation=2, key=k[1])
+        self.fc = eqx.nn.Linear(4 * 2 * 2, 3, key=k[2])
+
+    def __call__(self, x):
+        h = jnp.tanh(self.c2(jnp.tanh(self.c1(x))))
+        return self.fc(h.reshape(-1))
+
+
+class NnxCNN(nnx.Module):
+    def __init__(self, rngs):
+        self.c1 = nnx.Conv(2, 3, (3, 3), strides=2, padding=1, rngs=rngs)
+        self.c2 = nnx.Conv(3, 4, (2, 2), kernel_dilation=2, padding="VALID", rngs=rngs)
+        self.fc = nnx.Linear(4 * 2 * 2, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(self.c2(jnp.tanh(self.c1(x))))
+        return self.fc(h.reshape(h.shape[0], -1))
+
+
+# --- the oracle tests ------------------------------------------------------------------
+
+
+def test_mlp_equinox():
+    model = to_dtype(eqx.nn.MLP(3, 2, 8, 2, key=KEY))
+    check(mse, model, data(B, 3), data(B, 2, key=2))
+
+
+def test_mlp_nnx():
+    rngs = nnx.Rngs(0)
+    model = to_dtype(nnx.Sequential(nnx.Linear(3, 8, rngs=rngs), nnx.tanh, nnx.Linear(8, 2, rngs=rngs)))
+    check(mse, model, data(B, 3), data(B, 2, key=2))
+
+
+def test_transformer_block_equinox():
+    """Embedding, LayerNorm, RMSNorm, attention projections and MLP by rule; the raw `pos` by vmap."""
+    model = to_dtype(EqxBlock(11, 8, 5, KEY))
+    ids = jax.random.randint(jax.random.key(3), (B, 5), 0, 11)
+    check(eqx_lm, model, ids, jnp.roll(ids, 1, axis=1))
+
+
+def test_transformer_block_nnx():
+    model = to_dtype(NnxBlock(11, 8, 5, nnx.Rngs(0)))
+    ids = jax.random.randint(jax.random.key(3), (B, 5), 0, 11)
+    positions = jnp.broadcast_to(jnp.arange(5), (B, 5))
+    check(nnx_lm, model, ids, positions, jnp.roll(ids, 1, axis=1), fallback="error")
+
+
+def test_cnn_equinox():
+    check(mse, to_dtype(EqxCNN(KEY)), data(B, 2, 7, 7), data(B, 3, key=2), fallback="error")
+
+
+def test_cnn_nnx():
+    check(mse, to_dtype(NnxCNN(nnx.Rngs(0))), data(B, 7, 7, 2), data(B, 3, key=2), fallback="error")
+
+
+@pytest.mark.parametrize("dims", [1, pytest.param(3, marks=SLOW)])
+def test_conv_1d_3d(dims):
+    eq = to_dtype(eqx.nn.Conv(dims, 2, 3, 2, stride=2, padding=1, key=KEY))
+    fun = lambda m, x: jnp.sum(jnp.tanh(jax.vmap(m)(x)).reshape(x.shape[0], -1) ** 2, 1)  # noqa: E731
+    check(fun, eq, data(B, 2, *[5] * dims), fallback="error")
+    nx = to_dtype(nnx.Conv(2, 3, (2,) * dims, strides=2, padding="SAME", rngs=nnx.Rngs(0)))
+    fun = lambda m, x: jnp.sum(jnp.tanh(m(x)).reshape(x.shape[0], -1) ** 2, 1)  # noqa: E731
+    check(fun, nx, data(B, *[5] * dims, 2), fallback="error")
+
+
+# --- tied and shared weights -------------------------------------------------------------
+
+
+class EqxTied(eqx.Module):
+    shared: eqx.nn.Shared
+    mix: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        embed = eqx.nn.Embedding(7, 4, key=k1)
+        head = eqx.nn.Linear(4, 7, key=k2)
+        self.shared = eqx.nn.Shared((embed, head), lambda p: p[1].weight, lambda p: p[0].weight)
+        self.mix = eqx.nn.Linear(4, 4, key=k3)
+
+    def __call__(self, ids):
+        embed, head = self.shared()
+        h = jax.vmap(embed)(ids)
+        h = jax.vmap(self.mix)(jnp.tanh(jax.vmap(self.mix)(h)))  # one module called twice
+        return jax.vmap(head)(h)
+
+
+def test_tied_equinox():
+    """eqx.nn.Shared ties the head to the embedding; `mix` runs twice: the cross terms count."""
+    model = to_dtype(EqxTied(KEY))
+    ids = jax.random.randint(jax.random.key(3), (B, 3), 0, 7)
+    check(eqx_lm, model, ids, jnp.roll(ids, 1, axis=1), fallback="error")
+
+
+class NnxTied(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(4, 4, rngs=rngs)
+        self.b = nnx.Linear(4, 4, rngs=rngs)
+        self.b.kernel = self.a.kernel  # one Variable in two layers
+        self.again = self.a  # one module at two paths
+
+    def __call__(self, x):
+        return self.again(jnp.tanh(self.b(jnp.tanh(self.a(x)))))
+
+
+def test_tied_nnx():
+    check(mse, to_dtype(NnxTied(nnx.Rngs(0))), data(B, 4), data(B, 4, key=2), fallback="error")
+
+
+def test_batch_size_equal_to_other_axes():
+    """B equals the number of calls and the sequence length: the batch axis is found by a probe."""
+    model = to_dtype(EqxTied(KEY))
+    ids = jax.random.randint(jax.random.key(3), (2, 2), 0, 7)
+    losses, sq = jit(jt.per_example_norms(eqx_lm, fallback="error"))(model, ids, ids[:, ::-1])
+    close(sq, oracle_norms(eqx_lm, model, ids, ids[:, ::-1]))
+
+
+def test_batch_of_one_and_total():
+    model = to_dtype(eqx.nn.MLP(3, 2, 8, 2, key=KEY))
+    x, y = data(1, 3), data(1, 2, key=2)
+    _, sq = jit(jt.per_example_norms(mse))(model, x, y)
+    close(sq, oracle_norms(mse, model, x, y))
+    _, total = jit(jt.per_example_norms(mse, total=True))(model, x, y)
+    np.testing.assert_allclose(total, sum(jax.tree.leaves(sq)), rtol=1e-12)
+
+
+# --- transforms around, dtypes, errors -------------------------------------------------------
+
+
+def test_eager_and_nnx_jit():
+    model = to_dtype(nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1))))
+    x, y = data(B, 3), data(B, 2, key=2)
+    ref = oracle_norms(mse, model, x, y)
+    close(jt.per_example_norms(mse)(model, x, y)[1], ref)
+    close(nnx.jit(jt.per_example_norms(mse))(model, x, y)[1], ref)
+
+
+def test_vmap_around():
+    """A vmap over something else (here: three sets of targets) maps the whole computation."""
+    model = to_dtype(eqx.nn.MLP(3, 2, 8, 2, key=KEY))
+    x, ys = data(B, 3), data(3, B, 2, key=2)
+    sq = eqx.filter_vmap(lambda y: jt.per_example_norms(mse)(model, x, y)[1])(ys)
+    grads = eqx.filter_vmap(lambda y: jt.clipped_grad(mse, 0.3)(model, x, y)[1])(ys)
+    for j in range(3):
+        close(jax.tree.map(lambda s: s[j], sq), oracle_norms(mse, model, x, ys[j]))
+        close(jax.tree.map(lambda s: s[j], grads), oracle_clipped(mse, 0.3, model, x, ys[j]))
+
+
+def test_traced_max_norm_and_grad_around():
+    model = to_dtype(eqx.nn.MLP(3, 2, 8, 2, key=KEY))
+    x, y = data(B, 3), data(B, 2, key=2)
+
+    @jit
+    def clipped(model, x, y, c):
+        return jt.clipped_grad(mse, c)(model, x, y)[1]
+
+    for c in (0.1, 0.5):
+        close(clipped(model, x, y, c), oracle_clipped(mse, c, model, x, y))
+
+    def summed(f):
+        return lambda c, x: sum(jnp.sum(g) for g in jax.tree.leaves(f(c, x)))
+
+    ours = jax.grad(summed(lambda c, x: clipped(model, x, y, c)), argnums=(0, 1))(0.3, x)
+    ref = jax.grad(summed(lambda c, x: oracle_clipped(mse, c, model, x, y)), argnums=(0, 1))(0.3, x)
+    close(ours, ref, rtol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=SLOW), jnp.bfloat16])
+def test_low_precision(dtype):
+    """The norms accumulate in float32 at least; compared with the float64 oracle on the same weights."""
+    model = to_dtype(EqxBlock(11, 8, 5, KEY), dtype)
+    ids = jax.random.randint(jax.random.key(3), (B, 5), 0, 11)
+    targets = jnp.roll(ids, 1, axis=1)
+    losses, sq = jit(jt.per_example_norms(eqx_lm))(model, ids, targets)
+    assert losses.dtype == dtype
+    assert all(s.dtype == jnp.float32 for s in jax.tree.leaves(sq))
+    ref = jit(lambda m, i, t: oracle_norms(eqx_lm, m, i, t))(to_dtype(model, F64), ids, targets)
+    tol = 2e-4 if dtype == jnp.float32 else 1e-1
+    for a, e in zip(jax.tree.leaves(sq), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, e, rtol=tol, atol=tol * float(jnp.max(e)))
+    _, grads = jit(jt.clipped_grad(eqx_lm, 1.0))(model, ids, targets)
+    assert all(g.dtype == dtype for g in jax.tree.leaves(grads))
+
+
+class WithRaw(eqx.Module):
+    lin: eqx.nn.Linear
+    scale: jax.Array
+
+    def __call__(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_fallback_error_names_leaf_and_module():
+    model = WithRaw(eqx.nn.Linear(3, 2, key=KEY), jnp.ones(2))
+    with pytest.raises(jt.TagError, match=r"'scale' \(in module '', WithRaw\)"):
+        jt.per_example_norms(mse, fallback="error")(model, jnp.ones((B, 3)), jnp.ones((B, 2)))
+    x, y = data(B, 3), data(B, 2, key=2)  # and fallback="vmap" computes `scale` alone by vmap(grad)
+    close(jit(jt.per_example_norms(mse))(to_dtype(model), x, y)[1], oracle_norms(mse, to_dtype(model), x, y))
+
+
+def test_errors():
+    model = eqx.nn.MLP(3, 2, 8, 2, key=KEY)
+    x, y = jnp.ones((B, 3)), jnp.ones((B, 2))
+    with pytest.raises(ValueError, match="one loss per example"):
+        jt.per_example_norms(lambda m, x, y: jnp.sum(mse(m, x, y)))(model, x, y)
+    with pytest.raises(ValueError, match="fallback"):
+        jt.per_example_norms(mse, fallback="loop")(model, x, y)
+    with pytest.raises(TypeError, match="equinox or Flax NNX"):
+        jt.per_example_norms(mse)({"w": jnp.ones(3)}, x, y)
+
+
+SHARDED = r"""
+import jax, jax.numpy as jnp, numpy as np, equinox as eqx
+jax.config.update("jax_enable_x64", True)
+import jaxtrace as jt
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+assert len(jax.devices()) == 4
+model = jax.tree.map(lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a,
+                     eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0)))
+x = jax.random.normal(jax.random.key(1), (8, 3), jnp.float64)
+y = jax.random.normal(jax.random.key(2), (8, 2), jnp.float64)
+mesh = Mesh(np.array(jax.devices()), ("batch",))
+xs, ys = (jax.device_put(a, NamedSharding(mesh, P("batch"))) for a in (x, y))
+def losses(m, x, y):
+    return jnp.sum((jax.vmap(m)(x) - y) ** 2, axis=-1)
+_, total = eqx.filter_jit(jt.per_example_norms(losses, total=True))(model, xs, ys)
+_, grads = eqx.filter_jit(jt.clipped_grad(losses, 0.5))(model, xs, ys)
+one = lambda m, xi, yi: losses(m, xi[None], yi[None])[0]
+per = jax.vmap(eqx.filter_grad(one), in_axes=(None, 0, 0))(model, x, y)
+ref = sum(jnp.sum(g.reshape(8, -1) ** 2, 1) for g in jax.tree.leaves(per))
+np.testing.assert_allclose(total, ref, rtol=1e-10)
+w = jnp.minimum(1.0, 0.5 / jnp.sqrt(ref))
+for a, g in zip(jax.tree.leaves(grads), jax.tree.leaves(per)):
+    np.testing.assert_allclose(a, jnp.tensordot(w, g, 1), rtol=1e-10, atol=1e-12)
+print("sharded ok", total.sharding)
+"""
+
+
+def test_sharded_batch():
+    """A batch sharded over 4 CPU devices (XLA_FLAGS fixes the device count at start-up: a subprocess)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sharded ok" in out.stdout
