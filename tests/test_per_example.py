@@ -19,8 +19,8 @@ import jaxtrace as jt
 nnx = pytest.importorskip("flax.nnx")
 
 F64 = jnp.float64
-# larger cases: marked slow, and run only with JAXTRACE_SLOW=1 (the marker's "off by default")
-SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("JAXTRACE_SLOW") != "1", reason="slow: JAXTRACE_SLOW=1")]
+# larger cases: marked slow, run with --long (tests/conftest.py; .ci/run passes it)
+SLOW = [pytest.mark.slow]
 KEY = jax.random.key(0)
 
 
