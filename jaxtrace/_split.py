@@ -30,6 +30,7 @@ from jax import lax
 
 from . import _compat
 from ._leaves import check_array_leaves
+from ._splice import runs
 from ._sites import Site, TagError, assemble, merge_branches, select, stack_calls, with_problem
 from ._tag import evaluated_tags, is_tag, site_value, tag_p
 
@@ -178,43 +179,12 @@ class Splitter:
         return [_compat.read(env, v) for v in jaxpr.outvars], {k: _stack(vs) for k, vs in outputs.items()}
 
     def _runs(self, jaxpr, level: Level) -> dict:
-        """``{start: Run}``: the runs of two or more equations that hold no selected tag (and are no
-        tag), each bound as one call where ``jax.vjp`` differentiates them (``_compat.spliced``)."""
+        """``{start: Run}`` for ``jaxpr`` (``_splice.runs``), built once per jaxpr."""
         found = self._run_cache.get(id(jaxpr))
-        if found is not None and found[0] is jaxpr:
-            return found[1]
-        eqns = jaxpr.eqns
-        last_use: dict = {}
-        for i, eqn in enumerate(eqns):
-            for v in eqn.invars:
-                if not isinstance(v, _compat.Literal):
-                    last_use[v] = i
-        for v in jaxpr.outvars:
-            if not isinstance(v, _compat.Literal):
-                last_use[v] = len(eqns)
-        runs: dict = {}
-        start = 0
-        while start < len(eqns):
-            if not self._spliceable(eqns[start], level.eqn_sites[start]):
-                start += 1
-                continue
-            # A run is bound under its first equation's source line (JAX inlines a call so), so
-            # it stops where the user's lines change: every equation keeps its line.
-            lines = _compat.user_lines(eqns[start])
-            stop = start + 1
-            while (stop < len(eqns) and self._spliceable(eqns[stop], level.eqn_sites[stop])
-                   and _compat.user_lines(eqns[stop]) == lines):
-                stop += 1
-            if stop - start >= 2:
-                run = _make_run(eqns[start:stop], start, stop, last_use)
-                if run is not None:
-                    runs[start] = run
-            start = stop
-        self._run_cache[id(jaxpr)] = (jaxpr, runs)
-        return runs
-
-    def _spliceable(self, eqn, inside) -> bool:
-        return not is_tag(eqn) and not (inside and any(k in self.sites for k in inside))
+        if found is None or found[0] is not jaxpr:
+            selected = lambda eqn, inside: is_tag(eqn) or bool(inside) and any(k in self.sites for k in inside)  # noqa: E731
+            found = self._run_cache[id(jaxpr)] = (jaxpr, runs(jaxpr, level.eqn_sites, selected))
+        return found[1]
 
     def _call(self, jaxpr, start: int, env: dict, hooked: dict):
         """``call_fn`` on every leaf of the jt.tag call whose first leaf is equation ``start``; the
@@ -244,45 +214,6 @@ class Splitter:
     def output_zeros(self, active: dict) -> dict:
         """Zeros for the output sites among ``active`` (a cond branch that lacks them)."""
         return {k: _compat.zeros(s.shape, s.dtype, s.aval) for k, s in active.items() if k in self.output_keys}
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """Equations ``start:stop`` of a jaxpr, bound as one call: ``outvars = function(*invars)``."""
-
-    start: int
-    stop: int
-    invars: list
-    outvars: list
-    function: Any
-
-
-def _make_run(eqns, start: int, stop: int, last_use: dict) -> Run | None:
-    """A ``Run`` of ``eqns`` (equations ``start:stop``), or None if one of them cannot go in one."""
-    invars: list = []
-    where: dict = {}  # var -> ref
-    steps = []
-    for j, eqn in enumerate(eqns):
-        refs = []
-        for v in eqn.invars:
-            if isinstance(v, _compat.Literal):
-                ref = (2, v.val, v.aval, type(v.val))
-            elif v in where:
-                ref = where[v]
-            else:
-                ref = where[v] = (0, len(invars))
-                invars.append(v)
-            refs.append(ref)
-        step = _compat.splice_step(eqn, tuple(refs))
-        if step is None:
-            return None
-        steps.append(step)
-        for k, v in enumerate(eqn.outvars):
-            if not isinstance(v, _compat.DropVar):
-                where[v] = (1, j, k)
-    outvars = [v for eqn in eqns for v in eqn.outvars
-               if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= stop]
-    return Run(start, stop, invars, outvars, _compat.spliced(tuple(steps), tuple(where[v][1:] for v in outvars)))
 
 
 def _masked_input(invals, value):

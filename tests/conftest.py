@@ -3,7 +3,7 @@
 The default run (``python -m pytest -q tests``, the README's command) checks the whole contract
 in a few minutes. ``--long`` (``.ci/run`` passes it in every cell) adds what takes long: tests
 marked ``long`` or ``slow`` (the examples, the two-process run) and the property tests' long profile
-(200 random programs instead of 30; ``JAXTRACE_HYPOTHESIS_PROFILE`` still picks one by name).
+(200 random programs instead of 15; ``JAXTRACE_HYPOTHESIS_PROFILE`` still picks one by name).
 """
 
 import os
