@@ -44,9 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._ad import jacrev as _jacrev
 from ._ad import value_and_grad_with_sites as _value_and_grad_with_sites
 from ._module_tags import path_name as _path_name
-from ._sites import TagSelection, check_callable
+from ._sites import TagSelection, check_callable, check_tags
 
 STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
 """The statistics :func:`summarize` computes by default (all it knows)."""
@@ -274,7 +275,7 @@ def jacrev(
             seen.append((shapes, _term_names_in_order(out)))
             return result
 
-        result = _ad.jacrev(recorded, argnums, has_aux=has_aux, tags=tags)(*args, **kwargs)
+        result = _jacrev(recorded, argnums, has_aux=has_aux, tags=tags)(*args, **kwargs)
         (jac, tag_jacs), aux = result if has_aux else (result, None)
         shapes, order = seen[0]
         table = summarize(tag_jacs, terms=shapes, loop_axes=loop_axes, stats=stats)
