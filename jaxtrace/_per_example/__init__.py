@@ -1,0 +1,28 @@
+"""Per-example gradient norms and clipped gradients from one pass (DP-SGD, ghost clipping).
+
+For a layer ``y = layer(x)`` whose parameter gradient is a sum of outer products of a
+function of its input and the gradient at its output, each example's parameter gradient
+is ``sum_k a_k (x) b_k`` over that example's positions ``k`` (sequence steps, pixels,
+repeated calls). Its squared norm is either
+
+- ``sum_{k,l} <a_k, a_l> <b_k, b_l>`` (the Gram, or "ghost norm", form: memory ``K**2``
+  per example), or
+- ``|sum_k a_k b_k^T|**2`` (the per-example gradient of that layer: memory ``dA * dB``),
+
+whichever is smaller, picked per leaf from the shapes, as Opacus's fast gradient clipping
+does. One ``jt.vjp(..., with_values=True)`` pass over a model tagged by ``jt.tag_modules``
+gives every covered layer's input and output gradient; ``RULES`` says, per module class,
+which ``(a, b)`` factors each parameter gets. A leaf used by several layers (tied weights,
+a module called several times) gets the factors of all its uses, so the cross terms are in
+its norm. Leaves no rule covers are computed with ``jax.vmap(jax.grad)`` for those leaves
+alone (``fallback="vmap"``), or refused (``fallback="error"``).
+
+The package, one concept a file: ``_factors`` (the factors ``Use`` / ``Index`` and the
+squared-norm arithmetic), ``_rules`` (the per-layer rule registry), ``_plan`` (the model's
+differentiated leaves and which layer uses which), ``_pass`` (the one pass and the norms
+from it), ``_transforms`` (the public functions).
+"""
+
+from ._transforms import clip_weights as clip_weights
+from ._transforms import clipped_grad as clipped_grad
+from ._transforms import per_example_norms as per_example_norms

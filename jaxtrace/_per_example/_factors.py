@@ -1,0 +1,92 @@
+"""The factors of a per-example gradient and the arithmetic of its squared norm.
+
+A layer's per-example parameter gradient is ``sum_k outer(a_k, b_k)`` over positions ``k``;
+``Use`` holds one use's ``(a, b)`` (``Index`` is a one-hot ``a`` given by its indices) and
+``sq_norm`` gives the squared norm of the sum over a leaf's uses, per example, in the Gram
+("ghost norm") form or from the per-example gradient, whichever is smaller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+@dataclasses.dataclass(frozen=True)
+class Index:
+    """A one-hot factor given by its indices: ``ids`` of shape ``(B, K)`` into ``size`` rows."""
+
+    ids: jax.Array
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """One use of a leaf: its per-example gradient is ``sum_k outer(a[:, k], b[:, k])``.
+
+    ``a`` is ``(B, K, dA)`` (or an ``Index``), ``b`` is ``(B, K, dB)`` or ``None`` (a
+    vector-shaped leaf such as a bias: ``b = 1``). ``outer(a, b)`` flattened is the leaf
+    flattened (C order).
+    """
+
+    a: Any
+    b: Optional[jax.Array]
+
+
+def _k(f) -> int:
+    return f.ids.shape[1] if isinstance(f, Index) else f.shape[1]
+
+
+def _width(f) -> int:
+    return f.size if isinstance(f, Index) else f.shape[2]
+
+
+def _inner(f, h) -> jax.Array:
+    """``<f_k, h_l>`` for every pair of positions: ``(B, Kf, Kh)``."""
+    if isinstance(f, Index) and isinstance(h, Index):
+        return (f.ids[:, :, None] == h.ids[:, None, :]).astype(jnp.float32)
+    if isinstance(f, Index):
+        return jnp.swapaxes(_inner(h, f), 1, 2)
+    if isinstance(h, Index):  # <f_k, e_{id_l}> = f[k, id_l]
+        return jnp.take_along_axis(f, jnp.broadcast_to(h.ids[:, None, :], (*f.shape[:2], h.ids.shape[1])), axis=2)
+    return jnp.einsum("bka,bla->bkl", f, h, precision=HIGHEST)
+
+
+def _dense(f, dtype) -> jax.Array:
+    if isinstance(f, Index):
+        return jax.nn.one_hot(f.ids, f.size, dtype=dtype)
+    return f
+
+
+def sq_norm(uses: list[Use], dtype) -> jax.Array:
+    """Squared norm of ``sum over uses`` of the per-example gradient, per example: ``(B,)``."""
+    if all(u.b is None for u in uses):
+        total = sum(jnp.sum(_dense(u.a, dtype), axis=1) for u in uses)
+        return jnp.sum(total * total, axis=-1)
+    uses = [u if u.b is not None else Use(u.a, jnp.ones((*_batch_k(u.a), 1), dtype)) for u in uses]
+    k_total = sum(_k(u.a) for u in uses)
+    size = _width(uses[0].a) * _width(uses[0].b)
+    if k_total * k_total <= size:  # the Gram ("ghost") form is the smaller one
+        out = 0.0
+        for i, u in enumerate(uses):
+            for j in range(i, len(uses)):
+                v = uses[j]
+                term = jnp.sum(_inner(u.a, v.a) * _inner(u.b, v.b), axis=(1, 2))
+                out = out + (term if i == j else 2.0 * term)
+        return out
+    grad = 0.0
+    for u in uses:  # the per-example gradient of this leaf, (B, dA, dB)
+        if isinstance(u.a, Index):
+            b = u.b
+            grad = grad + jax.vmap(lambda ids, bb: jnp.zeros((u.a.size, bb.shape[-1]), dtype).at[ids].add(bb))(u.a.ids, b)
+        else:
+            grad = grad + jnp.einsum("bka,bkc->bac", u.a, u.b, precision=HIGHEST)
+    return jnp.sum(grad * grad, axis=(1, 2))
+
+
+def _batch_k(f):
+    return f.ids.shape if isinstance(f, Index) else f.shape[:2]
