@@ -162,7 +162,9 @@ class Splitter:
                         if new is None:
                             new = self._call(jaxpr, position, env, hooked)
                     else:
-                        new = self.site_fn(self.sites[key], invals[0], _masked_input(invals, sub_inputs.get(key)))
+                        new = hooked.pop(eqn.outvars[0], None)
+                        if new is None:
+                            new = self._site_values(jaxpr, level, position, env, inputs, hooked)
                     # The tag stays in place, so a transform around this one still finds it.
                     with _compat.source_context(eqn):
                         outvals = [self.retag(eqn, new, invals)]
@@ -186,18 +188,49 @@ class Splitter:
             found = self._run_cache[id(jaxpr)] = (jaxpr, runs(jaxpr, level.eqn_sites, selected))
         return found[1]
 
-    def _call(self, jaxpr, start: int, env: dict, hooked: dict):
-        """``call_fn`` on every leaf of the jt.tag call whose first leaf is equation ``start``; the
-        others' new values are kept in ``hooked`` for their own equations, which follow it (not
-        always next to it: a vmapped cond computes each leaf's mask before its tag)."""
-        eqn = jaxpr.eqns[start]
-        p = eqn.params
-        group = [eqn]
-        for e in jaxpr.eqns[start + 1 :] if p["leaf"] == 0 else ():
+    def _leaves(self, jaxpr, start: int) -> list[int]:
+        """The equations of every leaf of the jt.tag call whose first leaf is equation ``start``
+        (``[start]`` if it is not a first leaf), in leaf order. They follow it, not always next to
+        it: a vmapped cond computes each leaf's mask before its tag."""
+        p = jaxpr.eqns[start].params
+        group = [start]
+        for j in range(start + 1, len(jaxpr.eqns)) if p["leaf"] == 0 else ():
             if len(group) == p["tree"].num_leaves:
                 break
+            e = jaxpr.eqns[j]
             if is_tag(e) and e.params["call"] == p["call"] and e.params["name"] == p["name"] and e.params["leaf"] == len(group):
-                group.append(e)
+                group.append(j)
+        return group
+
+    def _site_values(self, jaxpr, level: Level, start: int, env: dict, inputs: dict, hooked: dict):
+        """``site_fn`` at the tag of equation ``start``; at a call's first leaf, for all its leaves
+        whose operands are ready, the others' kept in ``hooked``: the new values are computed
+        before any of the call's tags, so a transform around this one finds its leaves together."""
+        group = self._leaves(jaxpr, start)
+        ready = all(
+            (e.params["name"], e.params["leaf"]) in self.sites
+            and all(isinstance(v, _compat.Literal) or v in env for v in e.invars)
+            for e in (jaxpr.eqns[j] for j in group)
+        )
+        new = None
+        for j in group if ready else [start]:
+            e = jaxpr.eqns[j]
+            key = (e.params["name"], e.params["leaf"])
+            invals = [_compat.read(env, v) for v in e.invars]
+            value = level.slots[j][key].take(inputs[key]) if key in inputs else None
+            result = self.site_fn(self.sites[key], invals[0], _masked_input(invals, value))
+            if j == start:
+                new = result
+            else:
+                hooked[e.outvars[0]] = result
+        return new
+
+    def _call(self, jaxpr, start: int, env: dict, hooked: dict):
+        """``call_fn`` on every leaf of the jt.tag call whose first leaf is equation ``start``; the
+        others' new values are kept in ``hooked`` for their own equations."""
+        eqn = jaxpr.eqns[start]
+        p = eqn.params
+        group = [jaxpr.eqns[j] for j in self._leaves(jaxpr, start)]
         ready = all(isinstance(e.invars[0], _compat.Literal) or e.invars[0] in env for e in group)
         if len(group) != p["tree"].num_leaves or not ready:
             raise TagError(

@@ -214,3 +214,29 @@ def test_a_pytree_tag_in_a_vmapped_cond(maybe_jit):
     taken = (jnp.sum(xs, axis=1) > 0)[:, None]
     by_hand = -(2 + 3 * jnp.concatenate([jnp.cos(xs[:, :2]), jnp.zeros((3, 1))], axis=1))
     assert_trees_close(got, jnp.where(taken, by_hand, -jnp.sin(xs)))
+
+
+def test_patch_grad_around_a_function_patch_of_a_pair_tag(maybe_jit):
+    """The inner patch computes each leaf's new value before the call's tags, so the outer
+    patch_grad finds the leaves together (found by the property grammar)."""
+
+    def f(x):
+        for _ in range(2):
+            a, b = jt.tag((x, jnp.sin(x)[:2]), "r", repeated=True)
+            x = a + 0.5 * jnp.sum(b)
+        return jnp.sum(x**2)
+
+    def by_hand(x):
+        @jax.custom_vjp
+        def hook(a, b):
+            return a, b
+
+        hook.defvjp(lambda a, b: ((a, b), None), lambda _, g: (-g[0], -g[1]))
+        for _ in range(2):
+            a, b = hook(2 * x, 2 * jnp.sin(x)[:2])
+            x = a + 0.5 * jnp.sum(b)
+        return jnp.sum(x**2)
+
+    neg = lambda g: jax.tree_util.tree_map(jnp.negative, g)  # noqa: E731
+    outer = jt.patch_grad(jt.patch(f, {"r": lambda v: 2 * v}), {"r": neg})
+    assert_trees_close(maybe_jit(jax.grad(outer))(X), jax.grad(by_hand)(X))
