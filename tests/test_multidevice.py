@@ -45,6 +45,7 @@ def results():
     return json.loads(lines[-1])
 
 
+@pytest.mark.long  # an 8-device subprocess, about a minute: run with --long (.ci/run does)
 @pytest.mark.parametrize("name", CHECKS)
 def test_multidevice(results, name):
     outcome = results[name]

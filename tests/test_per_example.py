@@ -219,6 +219,7 @@ def test_mlp_nnx():
     check(mse, model, data(B, 3), data(B, 2, key=2))
 
 
+@pytest.mark.slow  # ~15-35 s each: with --long
 def test_transformer_block_equinox():
     """Embedding, LayerNorm, RMSNorm, attention projections and MLP by rule; the raw `pos` by vmap."""
     model = to_dtype(EqxBlock(11, 8, 5, KEY))
@@ -226,6 +227,7 @@ def test_transformer_block_equinox():
     check(eqx_lm, model, ids, jnp.roll(ids, 1, axis=1))
 
 
+@pytest.mark.slow  # ~15-35 s each: with --long
 def test_transformer_block_nnx():
     model = to_dtype(NnxBlock(11, 8, 5, nnx.Rngs(0)))
     ids = jax.random.randint(jax.random.key(3), (B, 5), 0, 11)
@@ -233,10 +235,12 @@ def test_transformer_block_nnx():
     check(nnx_lm, model, ids, positions, jnp.roll(ids, 1, axis=1), fallback="error")
 
 
+@pytest.mark.slow  # ~15-35 s each: with --long
 def test_cnn_equinox():
     check(mse, to_dtype(EqxCNN(KEY)), data(B, 2, 7, 7), data(B, 3, key=2), fallback="error")
 
 
+@pytest.mark.slow  # ~15-35 s each: with --long
 def test_cnn_nnx():
     check(mse, to_dtype(NnxCNN(nnx.Rngs(0))), data(B, 7, 7, 2), data(B, 3, key=2), fallback="error")
 
