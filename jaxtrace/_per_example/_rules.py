@@ -61,13 +61,6 @@ def _as_vectors(x, rank):
     return x.reshape(*x.shape[:2], -1) if rank else x[..., None]
 
 
-def _unit_affine(module, ones: dict, apply: Callable, x):
-    """Apply a normalisation ``module`` with its scale at one and its bias at zero to ``(B, L, *s)``."""
-    b, l = x.shape[:2]
-    xhat = apply(module, ones, x.reshape(b * l, *x.shape[2:]))
-    return xhat.reshape(x.shape)
-
-
 def _register_equinox():
     import equinox as eqx
 
