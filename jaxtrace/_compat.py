@@ -231,6 +231,11 @@ def write(env: dict, var, value) -> None:
         env[var] = value
 
 
+def with_params(eqn, **params):
+    """``eqn`` with ``params`` set (``JaxprEqn.replace`` on every JAX this package supports)."""
+    return eqn.replace(params={**eqn.params, **params})
+
+
 def bind_equation(eqn, invals: Sequence[Any]) -> list[Any]:
     """Bind one equation as ``jax.core.eval_jaxpr`` does; always a list of outputs."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)

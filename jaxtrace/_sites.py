@@ -41,6 +41,7 @@ class Site:
     differentiated: bool = False  # JAX took a derivative through it inside the traced function
     choice: tuple | None = None  # ((cond, branch), ...): the vmapped conds around it, outermost first
     remat: bool = False  # found inside a jax.checkpoint body (where JAX makes copies)
+    copies: frozenset = frozenset()  # marks of the checkpoint bodies a split left it in (``_split._marked_copy``)
 
     @property
     def key(self) -> Key:
@@ -339,6 +340,7 @@ def _stack_units(sites: Sequence[Site], units: list, depth: int) -> tuple[Site, 
         ncalls=count,
         differentiated=any(s.differentiated for s in firsts),
         remat=False,
+        copies=frozenset().union(*(s.copies for s in firsts)),
         choice=_common_choice(firsts),
         **_refusals_of(firsts),
     )
@@ -386,27 +388,44 @@ def _copies(sites: Sequence[Site]) -> list[list[int]]:
     appear several times for another reason, e.g. a ``jax.jit`` whose cached
     trace is called twice: those are distinct uses. Occurrences are taken as
     copies only when that is certain (differentiated, one layout, at most one
-    outside a rematerialised body); otherwise each is its own use, which is
-    an error or a stack, never a silent merge.
+    outside a rematerialised body and unmarked); otherwise each is its own
+    use, which is an error or a stack, never a silent merge. A split that
+    leaves a tag in a checkpoint body marks it (``copies``): where JAX, in a
+    transform around that split, copies it out of the body, the copy is known
+    as one, and copies of two different calls carry two marks.
     """
     buckets: dict = {}
     for i, site in enumerate(sites):
         buckets.setdefault(site.identity, []).append(i)
     units = []
-    for members in buckets.values():
+    for members in (group for call in buckets.values() for group in _by_mark(call, sites)):
         group = [sites[i] for i in members]
         copies = (
             len(group) > 1
             and all(s.differentiated for s in group)
             and len({s.unit() for s in group}) == 1
-            and sum(not s.remat for s in group) <= 1
+            and sum(not (s.remat or s.copies) for s in group) <= 1
+            and len(frozenset().union(*(s.copies for s in group))) <= 1  # copies of one body's call
         )
         if copies:
-            original = next((i for i in members if not sites[i].remat), members[0])
+            original = min(members, key=lambda i: (sites[i].remat, bool(sites[i].copies)))
             units.append([original, *(i for i in members if i != original)])
         else:
             units.extend([i] for i in members)
     return sorted(units, key=min)
+
+
+def _by_mark(members: list, sites: Sequence[Site]) -> list[list[int]]:
+    """The occurrences of one call, split by the checkpoint body a split marked them in (each body
+    holds its own call: a cached trace evaluated twice); the unmarked join the marked, if they
+    are of one body, and are each their own use where it is not known which one they copy."""
+    marked: dict = {}
+    for i in members:
+        marked.setdefault(sites[i].copies, []).append(i)
+    plain = marked.pop(frozenset(), [])
+    if len(marked) <= 1:
+        return [sorted(plain + next(iter(marked.values()), []))]
+    return [[i] for i in plain] + list(marked.values())
 
 
 def merge_branches(sites: Sequence[Site], where: str) -> Site:

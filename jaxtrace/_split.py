@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -92,6 +93,7 @@ class Program:
                 identity=(p["call"],),
                 differentiated=p.get("differentiated", False),
                 choice=p.get("choice"),
+                copies=frozenset([p["copy"]]) if p.get("copy") else frozenset(),
             )
             return {site.key: site}
         rule = RULES.get(eqn.primitive.name)
@@ -118,6 +120,7 @@ class Splitter:
         self.output_keys = frozenset(outputs)
         self.retag = retag or _retag
         self.call_fn = call_fn  # (sites, values) -> values: one jt.tag call, all its leaves at once
+        self.in_remat = False  # evaluating a jax.checkpoint body: the tags left in place are copies
         self._run_cache: dict = {}  # id(jaxpr) -> (jaxpr, {start: Run})
 
     def __call__(self, args: Sequence[Any], inputs: dict) -> tuple[list, dict]:
@@ -167,7 +170,7 @@ class Splitter:
                             new = self._site_values(jaxpr, level, position, env, inputs, hooked)
                     # The tag stays in place, so a transform around this one still finds it.
                     with _compat.source_context(eqn):
-                        outvals = [self.retag(eqn, new, invals)]
+                        outvals = [self.retag(_marked_copy(eqn) if self.in_remat else eqn, new, invals)]
                     # What a reader gets is the tag's output (the tagged value, after the site
                     # function), so a transform around this one sees the path through it.
                     sub_outputs = {key: site_value([*outvals, *invals[1:]])} if key in self.output_keys else _NO_SITES
@@ -259,6 +262,19 @@ def _masked_input(invals, value):
 
 def _retag(eqn, new, invals):
     return tag_p.bind(new, *invals[1:], **eqn.params)
+
+
+_COPIES = itertools.count(1)
+
+
+def _marked_copy(eqn):
+    """``eqn``, marked as a tag left in place in a ``jax.checkpoint`` body: JAX may copy it out
+    of the body when it differentiates this program (the forward pass of a remat), and a split
+    around this one must know those copies from the tagged call they copy (``_sites._copies``).
+    A mark, once there, is kept: copies of copies are one copy."""
+    if eqn.params.get("copy"):
+        return eqn
+    return _compat.with_params(eqn, copy=next(_COPIES))
 
 
 def _stack(values: list):
@@ -383,7 +399,11 @@ class Remat(Rule):
         body = _compat.call_body(eqn)
 
         def run(args, inputs):
-            return splitter.eval_jaxpr(body, args, inputs)
+            outer, splitter.in_remat = splitter.in_remat, True
+            try:
+                return splitter.eval_jaxpr(body, args, inputs)
+            finally:
+                splitter.in_remat = outer
 
         outs, outputs = jax.checkpoint(run, **_compat.remat_options(eqn))(list(invals), inputs)
         return list(outs), outputs

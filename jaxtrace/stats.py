@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union, cast
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from ._ad import jacrev as _jacrev
@@ -340,12 +341,16 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
 
     out = {}
-    scale = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax, initial=0.0) for m, ax in zip(mags, axes_of)])
+    # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
+    filled = [(m, ax) for m, ax in zip(mags, axes_of) if not _is_empty(math.prod(m.shape[keep:]))]
+    scale = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax) for m, ax in filled], jnp.zeros(kept_shape, dtype))
     # Propagate nan explicitly rather than rely on how the backend's max reduction treats it.
     any_nan = functools.reduce(jnp.logical_or, [jnp.any(jnp.isnan(m), axis=ax) for m, ax in zip(mags, axes_of)])
     max_abs = jnp.where(any_nan, jnp.nan, scale).astype(dtype)
     if "norm" in stats or "mean_abs" in stats:
-        safe = jnp.where(jnp.isfinite(max_abs) & (max_abs > 0), max_abs, 1.0).astype(dtype)
+        # A scale only (the results do not depend on it), so no derivative goes through the max:
+        # its rule divides by how many entries equal the max, which XLA may find none of.
+        safe = lax.stop_gradient(jnp.where(jnp.isfinite(max_abs) & (max_abs > 0), max_abs, 1.0).astype(dtype))
         expand = lambda m: jnp.reshape(safe, kept_shape + (1,) * (m.ndim - keep))  # noqa: E731
         if "norm" in stats:
             sq = sum(jnp.sum(jnp.square(m / expand(m)), axis=ax) for m, ax in zip(mags, axes_of))

@@ -103,6 +103,62 @@ def test_checkpoint_under_inner_grad_is_one_site(maybe_jit, policy):
     assert_trees_close(captured["h"], jnp.tanh(W @ X))
 
 
+def _sum_of_grads(fun):
+    """``fun(w) -> y`` as ``w -> y + 0.1 * (sum of jt.grad's gradients of sum(y**2))``."""
+
+    def outer(w):
+        (gw, tags), y = jt.grad(lambda w: (lambda y: (jnp.sum(y**2), y))(fun(w)), has_aux=True)(w)
+        return y + 0.1 * (jnp.sum(gw) + sum(jnp.sum(t) for t in jax.tree_util.tree_leaves(tags)))
+
+    return outer
+
+
+def _sum_of_grads_eps(fun):
+    """The ``+ eps`` program of ``_sum_of_grads``: ``fun(w, eps)``, its own eps at ``e``'s level."""
+
+    def outer(w, eo):
+        gw, ge = jax.grad(lambda w, ei: jnp.sum(fun(w, eo + ei) ** 2), argnums=(0, 1))(w, jnp.zeros_like(eo))
+        return fun(w, eo) + 0.1 * (jnp.sum(gw) + jnp.sum(ge))
+
+    return outer
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("policy", [None, "dots_saveable"])
+def test_checkpoint_under_nested_jaxtrace_grads_is_one_site(maybe_jit, depth, policy):
+    """Each inner split leaves the tag in the checkpoint body; the differentiation around it
+    copies the tag out of the body: the copies are the one call (found by the property tests)."""
+    pol = None if policy is None else getattr(jax.checkpoint_policies, policy)
+    fun = lambda w: jax.checkpoint(lambda w: jnp.sin(jt.tag(w @ X, "h")), policy=pol)(w)  # noqa: E731
+    fun_eps = lambda w, e: jax.checkpoint(lambda w, e: jnp.sin(w @ X + e), policy=pol)(w, e)  # noqa: E731
+    for _ in range(depth - 1):
+        fun = _sum_of_grads(fun)
+        fun_eps = _sum_of_grads_eps(fun_eps)
+    ct = jnp.cos(jnp.arange(3.0))
+    (gw,), tags = maybe_jit(lambda w: jt.vjp(fun, w)[1](ct))(W)
+    _, vjp_eps = jax.vjp(fun_eps, W, Z3)
+    want_w, want_e = vjp_eps(ct)
+    assert_trees_close(gw, want_w)
+    assert_trees_close(tags["h"], want_e)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_one_checkpoint_called_twice_under_nested_jaxtrace_grads_is_two_calls(maybe_jit, depth):
+    """jax.checkpoint caches its trace: both calls hold the same jt.tag call. Each inner split
+    marks its own evaluation of the body, so the copies of the two calls stay two calls."""
+    g = jax.checkpoint(lambda w, x: jnp.sin(jt.tag(w @ x, "h", repeated=True)))
+    g_eps = jax.checkpoint(lambda w, x, e: jnp.sin(w @ x + e))
+    fun = lambda w: g(w, X) * g(w, 2 * X)  # noqa: E731
+    fun_eps = lambda w, e: g_eps(w, X, e[0]) * g_eps(w, 2 * X, e[1])  # noqa: E731
+    for _ in range(depth - 1):
+        fun, fun_eps = _sum_of_grads(fun), _sum_of_grads_eps(fun_eps)
+    ct = jnp.cos(jnp.arange(3.0))
+    (gw,), tags = maybe_jit(lambda w: jt.vjp(fun, w)[1](ct))(W)
+    want_w, want_e = jax.vjp(fun_eps, W, jnp.zeros((2, 3)))[1](ct)
+    assert_trees_close(gw, want_w)
+    assert_trees_close(tags["h"], want_e)
+
+
 def test_capture_of_a_training_step_with_remat_and_scan(maybe_jit):
     def rnn_loss(w, xs):
         def body(c, x):

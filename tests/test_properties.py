@@ -389,8 +389,9 @@ TOLERANCES = {  # by the dtype of the leaf compared
 }
 
 
-def assert_results_close(got, want, what=""):
-    """Same structure, shapes and dtypes; values close by the leaf's dtype."""
+def assert_results_close(got, want, what="", floor=None):
+    """Same structure, shapes and dtypes; values close by the leaf's dtype, or by ``floor``'s
+    where that is looser (a value computed from lower-precision ones)."""
     got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(got)
     want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
     assert got_tree == want_tree, f"{what}: structure\n got  {got_tree}\n want {want_tree}"
@@ -399,6 +400,8 @@ def assert_results_close(got, want, what=""):
         assert np.shape(g) == np.shape(w), f"{where}: shape {np.shape(g)}, want {np.shape(w)}"
         assert np.asarray(g).dtype == np.asarray(w).dtype, f"{where}: dtype {np.asarray(g).dtype}, want {np.asarray(w).dtype}"
         tol = TOLERANCES.get(np.asarray(w).dtype, TOLERANCES[np.dtype(np.float64)])
+        if floor is not None:
+            tol = {k: max(v, TOLERANCES[np.dtype(floor)][k]) for k, v in tol.items()}
         np.testing.assert_allclose(
             np.asarray(g, np.float64), np.asarray(w, np.float64), **tol, err_msg=where
         )

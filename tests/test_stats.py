@@ -130,6 +130,20 @@ def test_summarize_nonfinite_and_large_values():
     np.testing.assert_allclose(out["mean_abs"], np.mean(np.abs(big.astype(np.float64))), rtol=1e-6)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_summaries_differentiate_as_their_closed_forms(jit):
+    """The max only scales the sums (no derivative goes through it), and an empty leaf adds
+    nothing: the tangents of norm and mean_abs are those of sqrt(sum g**2) and mean |g|, finite
+    (found by the property tests: a size-0 leaf made them nan)."""
+    g = {"a": jnp.array([1.5, -2.0, 0.5]), "b": jnp.array([[0.25, -3.0]]), "e": jnp.zeros((0,))}
+    dg = {"a": jnp.array([0.3, 0.1, -1.0]), "b": jnp.array([[2.0, 0.5]]), "e": jnp.zeros((0,))}
+    fun = lambda g: stats.summarize({"t": g}, stats=("norm", "mean_abs"))["t"]  # noqa: E731
+    _, tangents = (jax.jit(lambda g, dg: jax.jvp(fun, (g,), (dg,))) if jit else lambda g, dg: jax.jvp(fun, (g,), (dg,)))(g, dg)
+    flat, dflat = (jnp.concatenate([jnp.ravel(t[k]) for k in "abe"]) for t in (g, dg))
+    np.testing.assert_allclose(tangents["norm"], jnp.sum(flat * dflat) / jnp.linalg.norm(flat), rtol=1e-12)
+    np.testing.assert_allclose(tangents["mean_abs"], jnp.mean(jnp.sign(flat) * dflat), rtol=1e-12)
+
+
 def test_dtypes_float0_and_complex():
     half = stats.summarize({"h": jnp.ones(4, jnp.bfloat16)})["h"]
     assert half["norm"].dtype == jnp.float32 and float(half["norm"]) == 2.0
