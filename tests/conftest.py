@@ -1,8 +1,9 @@
 """Shared fixtures, and the ``--long`` option.
 
-The default run (``python -m pytest -q tests``, the README's command) checks the whole contract
+The default run (``python -m pytest -q -n auto tests``, the README's command) checks the whole contract
 in a few minutes. ``--long`` (``.ci/run`` passes it in every cell) adds what takes long: tests
-marked ``long`` or ``slow`` (the examples, the two-process run) and the property tests' long profile
+marked ``long`` or ``slow`` (the examples, the two-process run), the eager variant of tests
+marked ``long_eager`` (the heaviest models, whose jit variant always runs), and the property tests' long profile
 (200 random programs instead of 15; ``JAXTRACE_HYPOTHESIS_PROFILE`` still picks one by name).
 """
 
@@ -33,7 +34,8 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="a long test: run with --long (.ci/run does)")
     for item in items:
-        if "long" in item.keywords or "slow" in item.keywords:
+        eager = "long_eager" in item.keywords and getattr(item, "callspec", None) and item.callspec.params.get("maybe_jit") == "eager"
+        if "long" in item.keywords or "slow" in item.keywords or eager:
             item.add_marker(skip)
 
 

@@ -76,7 +76,15 @@ def test_pages_have_blocks():
     assert sum(len(python_blocks(page)) for page in PAGES) >= 15
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: str(p.relative_to(ROOT)))
+# The three longest pages (7-15 s each): their blocks run with --long, as .ci/run does.
+LONG_PAGES = {"coming-from-transformerlens.md", "coming-from-captum.md", "coming-from-perturb.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.long) if p.name in LONG_PAGES else p for p in PAGES if python_blocks(p)],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_page_code_blocks_run(page, monkeypatch, tmp_path):
     blocks = python_blocks(page)
     monkeypatch.chdir(tmp_path)  # a block that writes a file writes it here

@@ -231,6 +231,7 @@ def zoo_loss(model, x):
     return jnp.sum(jnp.sin(model(x)))
 
 
+@pytest.mark.long_eager
 def test_builtin_layers_against_oracle(maybe_jit):
     model, x = Zoo(KEYS[3]), jax.random.normal(KEYS[4], (1, 5, 5))
     tagged = jt.tag_modules(model, ["conv", "norm", "attn", "cell"], inputs=True)

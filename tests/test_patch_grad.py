@@ -58,6 +58,7 @@ def test_every_construct_against_custom_vjp(maybe_jit, kind):
     assert_trees_close(patched(W, XS), model(W, XS, lambda v, n: v))  # the forward pass is unchanged
 
 
+@pytest.mark.long_eager
 def test_entry_points(maybe_jit):
     fn = FNS["normalize"]
     patched = jt.patch_grad(lambda w, xs: model(w, xs, jt.tag), {"c": fn, "v": fn})
