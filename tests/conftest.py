@@ -1,7 +1,7 @@
 """Shared fixtures, and the ``--long`` option.
 
 The default run (``python -m pytest -q -n auto tests``, the README's command) checks the whole contract
-in a few minutes. ``--long`` (``.ci/run`` passes it in every cell) adds what takes long: tests
+in a few minutes. ``--long`` (one cell of ``.ci/run`` passes it) adds what takes long: tests
 marked ``long`` or ``slow`` (the examples, the two-process run), the eager variant of tests
 marked ``long_eager`` (the heaviest models, whose jit variant always runs), and the property tests' long profile
 (200 random programs instead of 15; ``JAXTRACE_HYPOTHESIS_PROFILE`` still picks one by name).
