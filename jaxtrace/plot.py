@@ -312,7 +312,7 @@ def overlay(
                 raise ValueError(f"jaxtrace.plot.overlay: heatmap {i} has shape {heat.shape}; expected (h, w).")
             top = np.nanmax(heat) if vmax is None else vmax
             heat = np.clip(heat / top, 0, 1) if top > 0 else np.zeros_like(heat)
-            drawn = ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
+            ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
         if titles is not None:
             ax.set_title(titles[i], fontsize=9)
     if colorbar:

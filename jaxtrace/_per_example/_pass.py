@@ -47,7 +47,7 @@ def _to_bl(x, axis, n_lead):
 class Call:
     """One call of a per-example transform: the pass, the norms and (for clipping) a second pullback."""
 
-    def __init__(self, fun, argnums, fallback, args, kwargs, needs):
+    def __init__(self, fun, argnums, fallback, args, kwargs):
         if not isinstance(argnums, int):
             raise TypeError(f"argnums must be an int (the position of the model), got {argnums!r}.")
         if fallback not in ("vmap", "error"):

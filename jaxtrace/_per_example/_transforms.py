@@ -45,7 +45,7 @@ def per_example_norms(fun: Callable, argnums: int = 0, *, fallback: str = "vmap"
 
     @functools.wraps(fun)
     def norms_fun(*args, **kwargs):
-        call = Call(fun, argnums, fallback, args, kwargs, "norms")
+        call = Call(fun, argnums, fallback, args, kwargs)
         sq = call.sq_norms()
         if total:
             return call.losses, functools.reduce(jnp.add, sq) if sq else jnp.zeros_like(call.losses)
@@ -80,7 +80,7 @@ def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "
 
     @functools.wraps(fun)
     def clipped_fun(*args, **kwargs):
-        call = Call(fun, argnums, fallback, args, kwargs, "clip")
+        call = Call(fun, argnums, fallback, args, kwargs)
         sq = call.sq_norms()
         sq_total = functools.reduce(jnp.add, sq) if sq else jnp.zeros(call.losses.shape, jnp.float32)
         weights = clip_weights(sq_total, max_norm)
