@@ -405,7 +405,7 @@ def _copies(sites: Sequence[Site]) -> list[list[int]]:
             and all(s.differentiated for s in group)
             and len({s.unit() for s in group}) == 1
             and sum(not (s.remat or s.copies) for s in group) <= 1
-            and len(frozenset().union(*(s.copies for s in group))) <= 1  # copies of one body's call
+            and len(frozenset().union(*(s.copies for s in group))) <= 1  # one mark (a stacked site may hold several)
         )
         if copies:
             original = min(members, key=lambda i: (sites[i].remat, bool(sites[i].copies)))

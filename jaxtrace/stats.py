@@ -42,8 +42,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union, cast
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 from ._ad import jacrev as _jacrev
 from ._ad import value_and_grad_with_sites as _value_and_grad_with_sites

@@ -138,7 +138,8 @@ def test_summaries_differentiate_as_their_closed_forms(jit):
     g = {"a": jnp.array([1.5, -2.0, 0.5]), "b": jnp.array([[0.25, -3.0]]), "e": jnp.zeros((0,))}
     dg = {"a": jnp.array([0.3, 0.1, -1.0]), "b": jnp.array([[2.0, 0.5]]), "e": jnp.zeros((0,))}
     fun = lambda g: stats.summarize({"t": g}, stats=("norm", "mean_abs"))["t"]  # noqa: E731
-    _, tangents = (jax.jit(lambda g, dg: jax.jvp(fun, (g,), (dg,))) if jit else lambda g, dg: jax.jvp(fun, (g,), (dg,)))(g, dg)
+    jvp = lambda g, dg: jax.jvp(fun, (g,), (dg,))  # noqa: E731
+    _, tangents = (jax.jit(jvp) if jit else jvp)(g, dg)
     flat, dflat = (jnp.concatenate([jnp.ravel(t[k]) for k in "abe"]) for t in (g, dg))
     np.testing.assert_allclose(tangents["norm"], jnp.sum(flat * dflat) / jnp.linalg.norm(flat), rtol=1e-12)
     np.testing.assert_allclose(tangents["mean_abs"], jnp.mean(jnp.sign(flat) * dflat), rtol=1e-12)
