@@ -279,6 +279,8 @@ def main(argv=None):
                         "(default 10,100,1000,2000,5000; quick: none, the chain model has them); 'none' skips it")
     parser.add_argument("--sweep-rounds", type=int, help="interleaved rounds per sweep point (default 3; quick 2)")
     parser.add_argument("--large-layers", type=int, help="blocks of the large model (default 24; quick 2)")
+    parser.add_argument("--large-compile-rounds", type=int,
+                        help="interleaved trace+compile rounds of the large model (default --compile-rounds; quick 1)")
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (15 if args.quick else 40)
     args.explicit_rounds = args.compile_rounds is not None
@@ -320,8 +322,8 @@ def main(argv=None):
 
         t = time.perf_counter()
         results["large"] = bench_model(L.model(args.quick, args.large_layers), args, rounds=5 if args.quick else args.rounds,
-                                       compile_rounds=args.compile_rounds if args.quick and args.explicit_rounds else
-                                       1 if args.quick else args.compile_rounds)
+                                       compile_rounds=args.large_compile_rounds or (
+                                           args.compile_rounds if args.explicit_rounds or not args.quick else 1))
         save()
         D.log(f"large model: {time.perf_counter() - t:.0f} s")
     for key, option, shared in (("compile_sweep", args.sweep, None), ("compile_sweep_shared", args.shared_sweep, 4)):

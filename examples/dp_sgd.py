@@ -6,8 +6,9 @@ An unmodified ``eqx.nn.MLP`` learns to tell three interleaved spirals apart (the
 generated, nothing is downloaded). Each step of DP-SGD clips every example's gradient to
 norm ``C`` and adds Gaussian noise of standard deviation ``sigma * C`` to their sum.
 ``jaxtrace.clipped_grad`` gives that clipped sum without forming a gradient per example:
-one forward pass, one backward pass for the per-example norms (from each layer's input and
-output gradient) and a second backward pass of the reweighted loss. ``--out`` is accepted
+one forward pass and one backward pass give each layer's input and output gradient, and
+from them the per-example norms and the clipped sum (each example's part of the ordinary
+weight gradient scaled by its clipping factor). ``--out`` is accepted
 for symmetry with the other examples; nothing is written. The loss goes down, and the
 printed fraction of clipped examples shows the clipping at work.
 """

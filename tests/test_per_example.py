@@ -298,6 +298,78 @@ def test_tied_nnx():
     check(mse, to_dtype(NnxTied(nnx.Rngs(0))), data(B, 4), data(B, 4, key=2), fallback="error")
 
 
+class EqxTiedHead(eqx.Module):
+    """GPT-2's tied head: the embedding matrix read directly, `h @ embed.weight.T`, beside its Embedding call."""
+
+    embed: eqx.nn.Embedding
+    mix: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed, self.mix = eqx.nn.Embedding(7, 4, key=k1), eqx.nn.Linear(4, 4, key=k2)
+
+    def __call__(self, ids):
+        h = jnp.tanh(jax.vmap(self.mix)(jax.vmap(self.embed)(ids)))
+        return h @ self.embed.weight.T
+
+
+class NnxTiedHead(nnx.Module):
+    def __init__(self, rngs):
+        self.embed, self.mix = nnx.Embed(7, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.embed.attend(jnp.tanh(self.mix(self.embed(ids))))
+
+
+def nnx_lm_plain(model, ids, targets):
+    return xent(model(ids), targets)
+
+
+@pytest.mark.parametrize("framework", ["equinox", "nnx"])
+def test_leaf_also_used_outside_its_layers(framework):
+    """A weight read outside its covered layer (a tied head) has more gradient than the layer's
+    factors: it goes to the fallback (exact), or fallback="error" names it; never a norm too small."""
+    if framework == "equinox":
+        model, fun, name = to_dtype(EqxTiedHead(KEY)), eqx_lm, r"'embed\.weight' \(in module 'embed', Embedding\)"
+    else:
+        model, fun, name = to_dtype(NnxTiedHead(nnx.Rngs(0))), nnx_lm_plain, r"'embed\.embedding' \(in module 'embed', Embed\)"
+    ids = jax.random.randint(jax.random.key(3), (B, 3), 0, 7)
+    check(fun, model, ids, jnp.roll(ids, 1, axis=1))
+    with pytest.raises(jt.TagError, match=name) as info:
+        jt.per_example_norms(fun, fallback="error")(model, ids, ids)
+    assert "mix" not in str(info.value)  # the Linear is used by its call only: by its factors
+
+
+class EqxWrapped(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+    unused: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.a, self.b, self.unused = (eqx.nn.Linear(3, 3, key=kk) for kk in k)
+
+    def __call__(self, x):
+        h = jax.checkpoint(lambda x: jnp.tanh(self.a(x)))(x)
+        return eqx.filter_jit(lambda h: self.b(h))(h)
+
+
+def test_layers_in_checkpoint_jit_and_scan_by_factors():
+    """Layers called inside jax.checkpoint, a jit and a lax.scan body are still by factors (fallback="error"
+    passes), and a leaf the losses never use has zero norms rather than an error."""
+    model = to_dtype(EqxWrapped(KEY))
+    x, y = data(B, 3), data(B, 3, key=2)
+    check(mse, model, x, y, fallback="error")
+
+    def scanned(m, x, y):
+        h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(jax.vmap(m.a)(h)), None), x, None, length=2)
+        return jnp.sum((jax.vmap(m.b)(h) - y) ** 2, -1)
+
+    check(scanned, model, x, y, fallback="error")
+    _, sq = jit(jt.per_example_norms(scanned, fallback="error"))(model, x, y)
+    assert not np.any(sq.unused.weight) and sq.a.weight.shape == (B,)
+
+
 def test_batch_size_equal_to_other_axes():
     """B equals the number of calls and the sequence length: the batch axis is found by a probe."""
     model = to_dtype(EqxTied(KEY))

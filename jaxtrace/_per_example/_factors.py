@@ -90,3 +90,27 @@ def sq_norm(uses: list[Use], dtype) -> jax.Array:
 
 def _batch_k(f):
     return f.ids.shape if isinstance(f, Index) else f.shape[:2]
+
+
+def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> jax.Array:
+    """``sum_i weights[i] g_i`` over examples, ``g_i`` the leaf's per-example gradient from ``uses``.
+
+    The batch gradient with each example scaled: one contraction per use, the size of the
+    ordinary parameter gradient (no per-example gradient is formed).
+    """
+    total = 0.0
+    for u in uses:
+        w = weights.astype(dtype)
+        if u.b is None:
+            if isinstance(u.a, Index):
+                k = u.a.ids.shape[1]
+                part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(jnp.repeat(w, k))
+            else:
+                part = jnp.einsum("bka,b->a", u.a, w)
+        elif isinstance(u.a, Index):
+            b = (u.b * w[:, None, None]).reshape(-1, u.b.shape[-1])
+            part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b)
+        else:
+            part = jnp.einsum("bka,bkc->ac", u.a * w[:, None, None], u.b)
+        total = total + part
+    return jnp.reshape(total, shape)

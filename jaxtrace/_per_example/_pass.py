@@ -2,9 +2,9 @@
 
 ``Call`` runs ``fun`` once with every covered layer's input and output tagged, checks it
 returns one loss per example, finds each layer's batch axis, collects the factors of each
-leaf's uses and turns them into per-leaf squared norms; the leaves no rule covers go to the
-``jax.vmap(jax.grad)`` fallback or to a ``TagError``. Its ``pullback`` is reused for the
-clipped sum.
+leaf's uses and turns them into per-leaf squared norms, or, weighted per example, into the
+clipped sum; the leaves no rule covers, and those also used outside their layers
+(``_uses``), go to the ``jax.vmap(jax.grad)`` fallback or to a ``TagError``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from .._ad import vjp as _vjp
 from .._forward import capture as _capture
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
-from ._factors import sq_norm
+from ._factors import sq_norm, weighted_sum
 from ._plan import plan_for
+from ._uses import used_outside
 
 def _compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
@@ -45,7 +46,7 @@ def _to_bl(x, axis, n_lead):
 
 
 class Call:
-    """One call of a per-example transform: the pass, the norms and (for clipping) a second pullback."""
+    """One call of a per-example transform: the pass, then the norms and the weighted sums from it."""
 
     def __init__(self, fun, argnums, fallback, args, kwargs):
         if not isinstance(argnums, int):
@@ -100,20 +101,29 @@ class Call:
         except Exception:  # a model that cannot run on one example: its ambiguous layers fall back
             return {}
 
-    def sq_norms(self):
-        """Per-leaf squared norms ``(B,)``, in the order of ``plan.leaves``."""
-        plan, batch = self.plan, self.batch
+    @functools.cached_property
+    def _dtypes(self) -> list:
+        return [_compute_dtype(jnp.result_type(leaf)) for leaf in self.plan.leaves]
+
+    @functools.cached_property
+    def _first_pullback(self):
+        """The pullback of ``sum(losses)``: ``(leaf gradients, tag gradients)``."""
         (leaf_cts,), tag_cts = self.pullback(jnp.ones_like(self.losses))
-        dtypes = [_compute_dtype(jnp.result_type(leaf)) for leaf in plan.leaves]
-        if batch == 1:
-            return [jnp.sum(jnp.square(c.astype(dt)))[None] for c, dt in zip(leaf_cts, dtypes)]
+        return leaf_cts, tag_cts
+
+    @functools.cached_property
+    def _factors(self) -> tuple[dict, set, list]:
+        """``({leaf: [Use, ...]}, {leaves the losses do not depend on}, [the other leaves])``, by index
+        (for ``batch > 1``)."""
+        plan, batch, dtypes = self.plan, self.batch, self._dtypes
+        _, tag_cts = self._first_pullback
         uses: dict = {}
         bad = set(plan.blocked)
         probe = None
         for layer in plan.layers:
             if not layer.leaves:
                 continue
-            if layer.path not in tag_cts:  # never called: its leaves' gradients are zero
+            if layer.path not in tag_cts:  # never called: its leaves are zero unless used elsewhere (below)
                 continue
             x, g = self.values.get(layer.path + INPUT_SUFFIX), tag_cts[layer.path]
             ri, ro = layer.rule.ranks(layer.module)
@@ -136,17 +146,64 @@ class Call:
             for attr, use in layer.rule.factors(layer.module, xb, gb).items():
                 if attr in layer.leaves:
                     uses.setdefault(layer.leaves[attr], []).append(use)
-        out: list = [None] * len(plan.leaves)
-        for i, us in uses.items():
-            if i not in bad:
-                out[i] = sq_norm(us, dtypes[i]).astype(dtypes[i])
-        missing = [i for i in range(len(out)) if out[i] is None]
-        if missing:
-            for i, v in zip(missing, self._fallback(missing, dtypes)):
-                out[i] = v
+        # Which leaves the losses depend on other than through their covered layers' calls: with
+        # factors, a use outside them (a tied head `h @ embed.weight.T`): not by factors; without,
+        # none at all: a zero gradient.
+        owned: dict = {}
+        for layer in plan.layers:
+            owned.setdefault(layer.path, set()).update(i for i in layer.leaves.values() if i in uses and i not in bad)
+        outside = used_outside(self._call_with, plan.leaves, owned)
+        uses = {i: us for i, us in uses.items() if i not in bad and i not in outside}
+        zero = {i for i in range(len(plan.leaves)) if i not in uses and i not in outside}
+        return uses, zero, [i for i in range(len(plan.leaves)) if i not in uses and i not in zero]
+
+    @functools.cached_property
+    def _fallback_grads(self) -> dict:
+        """``{leaf index: per-example gradient (B, *leaf.shape)}`` for the leaves no factors cover."""
+        _, _, missing = self._factors
+        return dict(zip(missing, self._fallback(missing))) if missing else {}
+
+    def sq_norms(self):
+        """Per-leaf squared norms ``(B,)``, in the order of ``plan.leaves``."""
+        dtypes = self._dtypes
+        if self.batch == 1:
+            leaf_cts, _ = self._first_pullback
+            return [jnp.sum(jnp.square(c.astype(dt)))[None] for c, dt in zip(leaf_cts, dtypes)]
+        uses, zero, _ = self._factors
+        out = []
+        for i in range(len(self.plan.leaves)):
+            if i in uses:
+                out.append(sq_norm(uses[i], dtypes[i]).astype(dtypes[i]))
+            elif i in zero:
+                out.append(jnp.zeros(self.batch, dtypes[i]))
+            else:
+                p = self._fallback_grads[i].astype(dtypes[i])
+                out.append(jnp.sum(jnp.square(p).reshape(p.shape[0], -1), axis=1))
         return out
 
-    def _fallback(self, missing, dtypes):
+    def weighted_grads(self, weights):
+        """Per-leaf ``sum_i weights[i] g_i`` (the clipped sum, for clipping weights), in the leaves' dtypes.
+
+        From the pass's factors (and the fallback's per-example gradients): no second pullback.
+        """
+        leaves, dtypes = self.plan.leaves, self._dtypes
+        if self.batch == 1:
+            leaf_cts, _ = self._first_pullback
+            return [(weights[0].astype(dt) * c.astype(dt)).astype(c.dtype) for c, dt in zip(leaf_cts, dtypes)]
+        uses, zero, _ = self._factors
+        out = []
+        for i, leaf in enumerate(leaves):
+            if i in uses:
+                g = weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i])
+            elif i in zero:
+                g = jnp.zeros(jnp.shape(leaf), dtypes[i])
+            else:
+                g = jnp.tensordot(weights.astype(dtypes[i]), self._fallback_grads[i].astype(dtypes[i]), 1)
+            out.append(g.astype(jnp.result_type(leaf)))
+        return out
+
+    def _fallback(self, missing):
+        """Per-example gradients of the ``missing`` leaves, by ``jax.vmap(jax.grad)`` of those leaves alone."""
         plan = self.plan
         if self.fallback == "error":
             lines = [
@@ -155,8 +212,9 @@ class Call:
             raise TagError(
                 "jaxtrace.per_example_norms has no per-layer rule for these leaves (a rule covers "
                 "Linear, Embedding, LayerNorm, RMSNorm and Conv layers called by their __call__ with "
-                "the batch on a leading axis):\n" + "\n".join(lines) + "\nPass fallback=\"vmap\" to "
-                "compute them with jax.vmap(jax.grad), for those leaves only."
+                "the batch on a leading axis, where the leaf is used by such layers only; a tied head "
+                "written `h @ embed.weight.T` is a use outside them):\n" + "\n".join(lines) + "\nPass "
+                "fallback=\"vmap\" to compute them with jax.vmap(jax.grad), for those leaves only."
             )
         fixed = list(plan.leaves)
         flat, tdef = jax.tree_util.tree_flatten(self._others())
@@ -172,10 +230,7 @@ class Call:
             full = self._with_others(jax.tree_util.tree_unflatten(tdef, args))
             return self._call_with(ls, model_fn=plan.plain_model, args=full)[0]
 
-        per = jax.vmap(jax.grad(one), in_axes=(None, 0))([fixed[i] for i in missing], [flat[k] for k in where])
-        return [
-            jnp.sum(jnp.square(p.astype(dtypes[i])).reshape(p.shape[0], -1), axis=1) for i, p in zip(missing, per)
-        ]
+        return jax.vmap(jax.grad(one), in_axes=(None, 0))([fixed[i] for i in missing], [flat[k] for k in where])
 
 
 def _is_array(a) -> bool:

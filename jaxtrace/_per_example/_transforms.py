@@ -61,11 +61,14 @@ def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "
     gradient of ``losses[i]`` for all of the model's differentiated leaves together. The
     returned function gives ``(losses, grads)``, ``grads`` structured as ``eqx.filter_grad``
     gives them (for an NNX model, as ``nnx.grad`` does). The norms come from
-    ``per_example_norms`` (one forward and one backward pass); the clipped sum is a second
-    backward pass, of ``sum_i w_i losses[i]`` with ``w_i = min(1, max_norm / |g_i|)``, from
-    the same forward pass. ``max_norm`` may be a traced value under ``jax.jit``; the
-    result is differentiable in everything (``jax.grad`` around it works as around the
-    ``vmap(grad)`` formula). ``fallback`` is as for ``per_example_norms``.
+    ``per_example_norms`` (one forward and one backward pass); the clipped sum, with
+    ``w_i = min(1, max_norm / |g_i|)``, comes from the same pass: for a covered layer it
+    is its parameter gradient with each example's factors scaled by ``w_i`` (one
+    contraction, the size of the ordinary gradient; no second backward pass), for a
+    fallback leaf ``sum_i w_i`` of its ``vmap(grad)`` gradients. ``max_norm`` may be a
+    traced value under ``jax.jit``; the result is differentiable in everything
+    (``jax.grad`` around it works as around the ``vmap(grad)`` formula). ``fallback`` is
+    as for ``per_example_norms``.
 
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
@@ -83,9 +86,7 @@ def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "
         call = Call(fun, argnums, fallback, args, kwargs)
         sq = call.sq_norms()
         sq_total = functools.reduce(jnp.add, sq) if sq else jnp.zeros(call.losses.shape, jnp.float32)
-        weights = clip_weights(sq_total, max_norm)
-        (grads,), _ = call.pullback(weights.astype(call.losses.dtype))
-        return call.losses, call.plan.out(list(grads))
+        return call.losses, call.plan.out(call.weighted_grads(clip_weights(sq_total, max_norm)))
 
     return clipped_fun
 
