@@ -428,6 +428,22 @@ def test_traced_max_norm_and_grad_around():
     close(ours, ref, rtol=1e-9)
 
 
+def test_clipped_sum_costs_one_backward_pass():
+    """XLA's flop count: the clipped sum costs about one ordinary gradient (no second backward pass)."""
+    model = eqx.nn.MLP(64, 10, 64, 3, key=KEY)
+    x, y = jnp.ones((32, 64)), jnp.zeros((32, 10))
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def flops(f):
+        compiled = jax.jit(lambda a, x, y: f(eqx.combine(a, static), x, y)).lower(arrays, x, y).compile()
+        cost = compiled.cost_analysis()
+        return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+    plain = flops(eqx.filter_grad(lambda m, x, y: jnp.sum(mse(m, x, y))))
+    clipped = flops(lambda m, x, y: jt.clipped_grad(mse, 1.0)(m, x, y)[1])
+    assert clipped <= 1.1 * plain, (clipped, plain)  # a second backward pass: 1.28x here
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=SLOW), jnp.bfloat16])
 def test_low_precision(dtype):
     """The norms accumulate in float32 at least; compared with the float64 oracle on the same weights."""
