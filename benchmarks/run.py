@@ -1,6 +1,6 @@
 """What does capturing gradients at tags cost? One entry point for every figure.
 
-    python benchmarks/run.py            # everything (about an hour on 2 cores: the compile sweep)
+    python benchmarks/run.py            # everything (over an hour on 2 cores: the large model, the compile sweep)
     python benchmarks/run.py --quick    # smaller models, fewer rounds (CI; a few minutes)
     python benchmarks/run.py --models none --no-scaling --sweep 10,100,1000   # one part only
 
