@@ -409,6 +409,32 @@ def test_vmap_around():
         close(jax.tree.map(lambda s: s[j], grads), oracle_clipped(mse, 0.3, model, x, ys[j]))
 
 
+@pytest.mark.slow  # disable_jit runs jaxtrace's passes op by op: with --long
+def test_transforms_and_jaxtrace_around():
+    """disable_jit, checkpoint, jvp and jit(grad) around the norms, and jt.grad around the clipped
+    sum with a tag on the input (its cotangent against an explicit + eps), against the oracle."""
+    model = to_dtype(eqx.nn.MLP(3, 2, 8, 2, key=KEY))
+    x, y, t = data(B, 3), data(B, 2, key=2), data(B, 3, key=5)
+    with jax.disable_jit():
+        close(jt.per_example_norms(mse)(model, x, y)[1], oracle_norms(mse, model, x, y))
+    ours = lambda x: jt.per_example_norms(mse, total=True)(model, x, y)[1]  # noqa: E731
+    ref = lambda x: sum(jax.tree.leaves(oracle_norms(mse, model, x, y)))  # noqa: E731
+    close(jax.checkpoint(ours)(x), ref(x))
+    close(jax.jvp(ours, (x,), (t,)), jax.jvp(ref, (x,), (t,)), rtol=1e-9)
+    close(jax.jit(jax.grad(lambda x: jnp.sum(ours(x))))(x), jax.grad(lambda x: jnp.sum(ref(x)))(x), rtol=1e-9)
+
+    def outer(x):
+        grads = jt.clipped_grad(mse, 0.3)(model, jt.tag(x, "x"), y)[1]
+        return sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))
+
+    def outer_ref(x, eps):
+        return sum(jnp.sum(g**2) for g in jax.tree.leaves(oracle_clipped(mse, 0.3, model, x + eps, y)))
+
+    gx, tag_grads = jt.grad(outer)(x)
+    close(tag_grads["x"], jax.grad(outer_ref, argnums=1)(x, jnp.zeros_like(x)), rtol=1e-9)
+    close(gx, jax.grad(outer_ref)(x, jnp.zeros_like(x)), rtol=1e-9)
+
+
 def test_traced_max_norm_and_grad_around():
     model = to_dtype(eqx.nn.MLP(3, 2, 8, 2, key=KEY))
     x, y = data(B, 3), data(B, 2, key=2)
