@@ -98,9 +98,8 @@ def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> ja
     The batch gradient with each example scaled: one contraction per use, the size of the
     ordinary parameter gradient (no per-example gradient is formed).
     """
-    total = 0.0
+    total, w = 0.0, weights.astype(dtype)
     for u in uses:
-        w = weights.astype(dtype)
         if u.b is None:
             if isinstance(u.a, Index):
                 k = u.a.ids.shape[1]
