@@ -347,9 +347,11 @@ def _rebuild(module: eqx.Module, path: str, specs: dict) -> eqx.Module:
     return out
 
 
-def tag_equinox(model: eqx.Module, where: Where = None, *, inputs: bool = False) -> eqx.Module:
-    """The equinox case of ``jaxtrace.tag_modules``: a copy whose selected modules are tagged subclasses."""
+def tag_equinox(model: eqx.Module, where: Where = None, *, inputs: bool = False, params_of=None) -> eqx.Module:
+    """The equinox case of ``jaxtrace.tag_modules``: a copy whose selected modules are tagged subclasses
+    (``params_of``: see ``_module_tags.tag_module_calls``)."""
     candidates = [(p, m) for p, m in _named_modules(model) if is_callable_module(m)]
     chosen = choose(candidates, where, "jaxtrace.tag_modules")
-    specs = {p: ModuleTag(p, bool(inputs)) for p in chosen}
+    modules = dict(candidates)
+    specs = {p: ModuleTag(p, bool(inputs), tuple(params_of(modules[p])) if params_of else ()) for p in chosen}
     return _rebuild(model, "", specs)

@@ -24,6 +24,7 @@ import jax.tree_util as jtu
 from ._tag import tag
 
 INPUT_SUFFIX = ":in"  # "<path>:in" names a module's positional inputs
+PARAMS_SUFFIX = ":params:"  # "<path>:params:<attribute>": a parameter where the module reads it (per-example plans)
 
 # --- path names --------------------------------------------------------------
 
@@ -159,13 +160,22 @@ def tag_inputs(args: tuple, name: str, *, skip: Callable[[Any], bool], tag_array
 
 @dataclasses.dataclass(frozen=True)
 class ModuleTag:
-    """What a tagged module tags: its output as ``path``, its inputs as ``path + ":in"`` if ``inputs``."""
+    """What a tagged module tags: its output as ``path``, its inputs as ``path + ":in"`` if ``inputs``,
+    and the parameters named in ``params`` as ``path + ":params:" + name`` (marks whose values nothing
+    reads: the per-example plan finds in the program which leaf the module multiplies)."""
 
     path: str
     inputs: bool
+    params: tuple = ()
 
-    def call(self, fn: Callable, args: tuple, kwargs: dict, *, tag_inputs: Callable, tag_output: Callable):
+    def call(self, fn: Callable, args: tuple, kwargs: dict, *, tag_inputs: Callable, tag_output: Callable, module=None):
         """``fn(*args, **kwargs)`` with its inputs and output tagged."""
+        for name in self.params:
+            value = getattr(module, name, None)
+            if not isinstance(value, jax.Array) and hasattr(value, "get_value"):  # an nnx.Variable: its array
+                value = value.get_value()
+            if isinstance(value, jax.Array):
+                tag(value, self.path + PARAMS_SUFFIX + name, repeated=True)
         if self.inputs:
             args = tag_inputs(tuple(args), self.path + INPUT_SUFFIX)
         return tag_output(fn(*args, **kwargs), self.path)
@@ -205,7 +215,7 @@ def tagged_subclass(
         if spec is None:
             return base.__call__(self, *args, **kwargs)
         call = functools.partial(base.__call__, self)
-        return spec.call(call, args, kwargs, tag_inputs=tag_inputs, tag_output=tag_output)
+        return spec.call(call, args, kwargs, tag_inputs=tag_inputs, tag_output=tag_output, module=self)
 
     def __reduce__(self):  # pickle and copy: rebuild the subclass from its base
         return reduce(self)
@@ -277,10 +287,16 @@ def tag_modules(model: Any, where: Where = None, *, inputs: bool = False) -> Any
         >>> {name: g.shape for name, g in tag_grads.items()}
         {'layers.0:in': (3,), 'layers.0': (8,), 'layers.1:in': (8,), 'layers.1': (8,)}
     """
+    return tag_module_calls(model, where, inputs=inputs)
+
+
+def tag_module_calls(model: Any, where: Where = None, *, inputs: bool = False, params_of: Callable | None = None) -> Any:
+    """``tag_modules``, and with ``params_of(module) -> attribute names`` each selected module also marks
+    those parameters where it reads them (``ModuleTag.params``)."""
     if is_nnx_module(model):
         from .flax._nnx import tag_modules as tag_nnx  # imports Flax, which an nnx model has loaded
 
-        return tag_nnx(model, where, inputs=inputs)
+        return tag_nnx(model, where, inputs=inputs, params_of=params_of)
     if _from_flax(model, "linen"):
         raise TypeError(
             "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
@@ -294,4 +310,4 @@ def tag_modules(model: Any, where: Where = None, *, inputs: bool = False) -> Any
             f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
             "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
         )
-    return tag_equinox(model, where, inputs=inputs)
+    return tag_equinox(model, where, inputs=inputs, params_of=params_of)

@@ -18,10 +18,18 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class Index:
-    """A one-hot factor given by its indices: ``ids`` of shape ``(B, K)`` into ``size`` rows."""
+    """A one-hot factor given by its indices: ``ids`` of shape ``(B, K)`` into ``size`` rows.
+
+    A negative id selects row ``id + size``, as ``weight[ids]`` does.
+    """
 
     ids: jax.Array
     size: int
+
+    def __post_init__(self):
+        ids = self.ids
+        if isinstance(ids, jax.Array) and jnp.issubdtype(ids.dtype, jnp.signedinteger):
+            object.__setattr__(self, "ids", jnp.where(ids < 0, ids + self.size, ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +43,11 @@ class Use:
 
     a: Any
     b: Optional[jax.Array]
+
+
+# Pytrees, so that the factors of a layer stacked in ``lax.scan`` can be mapped over its steps.
+jax.tree_util.register_dataclass(Index, data_fields=["ids"], meta_fields=["size"])
+jax.tree_util.register_dataclass(Use, data_fields=["a", "b"], meta_fields=[])
 
 
 def _k(f) -> int:

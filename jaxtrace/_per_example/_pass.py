@@ -1,10 +1,13 @@
 """The pass: one ``jt.vjp(..., with_values=True)`` over the tagged model, and the norms from it.
 
-``Call`` runs ``fun`` once with every covered layer's input and output tagged, checks it
-returns one loss per example, finds each layer's batch axis, collects the factors of each
-leaf's uses and turns them into per-leaf squared norms, or, weighted per example, into the
-clipped sum; the leaves no rule covers, and those also used outside their layers
-(``_uses``), go to the ``jax.vmap(jax.grad)`` fallback or to a ``TagError``.
+``Call`` traces ``fun`` once, proves from that program which layers' factors give exact
+per-example gradients (``_proof``: independent examples, the weight is the leaf, the
+example axis of each layer's output), runs one pass that gives every covered layer's input
+and output gradient, and turns the factors of each leaf's uses into per-leaf squared norms
+or, weighted per example, into the clipped sum. Every other leaf (no rule, used outside
+its layers, transformed before its layer, examples not proven apart at its layer) takes
+the exact path: the definition, the pullback of the losses vector against each example's
+basis vector, or a ``TagError`` naming it under ``fallback="error"``.
 """
 
 from __future__ import annotations
@@ -13,93 +16,97 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from .. import _compat
 from .._ad import vjp as _vjp
-from .._forward import capture as _capture
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
+from .._tag import tag as _tag
 from ._factors import sq_norm, weighted_sum
 from ._plan import plan_for
+from ._proof import Every, prove
 from ._uses import used_outside
+
+_SHARED = ":shared:"  # "<path>:shared:<k>": a shared layer output where it meets the examples
+
 
 def _compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _batch_axis(shape, n_lead, batch, probe_shape):
-    """Which of the leading axes is the batch axis, or ``None``."""
-    lead = shape[:n_lead]
-    cands = [i for i, s in enumerate(lead) if s == batch]
-    if len(cands) == 1:
-        return cands[0]
-    if probe_shape is None or len(probe_shape) != len(shape):
-        return None
-    diff = [i for i in range(n_lead) if probe_shape[i] != shape[i]]
-    return diff[0] if len(diff) == 1 and diff[0] in cands else None
-
-
-def _to_bl(x, axis, n_lead):
-    """Batch axis first, the other leading axes flattened into one: ``(B, L, *rest)``."""
+def _examples_first(x, axis: int, inner: int, n_lead: int):
+    """``(B, L, *rest)``: the examples' axis (``axis``, each example ``inner`` long) first, the other
+    leading axes flattened into one."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], shape[axis] // inner, inner, *shape[axis + 1 :])
     x = jnp.moveaxis(x, axis, 0)
-    return x.reshape(x.shape[0], -1, *x.shape[n_lead:])
+    return x.reshape(x.shape[0], -1, *x.shape[n_lead + 1 :])
 
 
 class Call:
-    """One call of a per-example transform: the pass, then the norms and the weighted sums from it."""
+    """One call of a per-example transform: the proof, the pass, then the norms and weighted sums."""
 
-    def __init__(self, fun, argnums, fallback, args, kwargs):
+    def __init__(self, fun, argnums, fallback, has_aux, args, kwargs):
         if not isinstance(argnums, int):
             raise TypeError(f"argnums must be an int (the position of the model), got {argnums!r}.")
         if fallback not in ("vmap", "error"):
             raise ValueError(f'fallback must be "vmap" or "error", got {fallback!r}.')
-        self.fun, self.argnums, self.fallback, self.kwargs = fun, argnums, fallback, kwargs
+        self.fun, self.argnums, self.fallback, self.has_aux, self.kwargs = fun, argnums, fallback, has_aux, kwargs
         self.args = list(args)
         self.plan = plan = plan_for(args[argnums])
-        names = set()
-        for layer in plan.layers:
-            names.update((layer.path, layer.path + INPUT_SUFFIX))
-        self.tag_names = names
-        self.losses, self.pullback, self.values = _vjp(
-            self._call_with, plan.leaves, with_values=True, tags=lambda n: n in names
-        )
-        if jnp.ndim(self.losses) != 1:
+        paths = {layer.path for layer in plan.layers}
+
+        def flat(leaves):
+            out, self._out_tree = jax.tree_util.tree_flatten(self._call_with(leaves))
+            return out
+
+        self.jaxpr, self.consts = _compat.jaxpr_and_consts(jax.make_jaxpr(flat)(list(plan.leaves)))
+        losses_aval = self.jaxpr.outvars[0].aval
+        if len(losses_aval.shape) != 1:
             raise ValueError(
                 "jaxtrace.per_example_norms and jaxtrace.clipped_grad need `fun` to return one loss per "
-                f"example, of shape (batch,); got shape {jnp.shape(self.losses)}."
+                f"example, of shape (batch,){' and its aux' if has_aux else ''}; got shape {losses_aval.shape}."
             )
-        self.batch = self.losses.shape[0]
+        self.batch = losses_aval.shape[0]
+        self.proof = prove(self.jaxpr, len(plan.leaves), self.batch, paths)
+        if self.proof.mixing is not None:
+            raise TagError(
+                f"jaxtrace per-example gradients: {self.proof.mixing}. Per-example gradients (and DP-SGD's "
+                "clipping bound) need independent examples: compute batch statistics outside `fun` (BatchNorm "
+                "in inference mode, GroupNorm or LayerNorm instead), and give each example a loss of its own."
+            )
+        names = set(paths) | {p + INPUT_SUFFIX for p in paths}
+        self.shared_names = {}
+        for k, use in enumerate(self.proof.shared):
+            self.shared_names.setdefault(use.path, []).append((f"{use.path}{_SHARED}{k}", use))
+        names |= {n for uses in self.shared_names.values() for n, _ in uses}
+        run = self._run_program if self.proof.shared else self._call_with
+        out = _vjp(run, plan.leaves, with_values=True, has_aux=has_aux, tags=lambda n: n in names)
+        if has_aux:
+            self.losses, self.pullback, self.aux, self.values = out
+        else:
+            (self.losses, self.pullback, self.values), self.aux = out, None
 
-    def _call_with(self, leaves, model_fn=None, args=None):
-        args = list(self.args if args is None else args)
+    def _call_with(self, leaves, model_fn=None):
+        args = list(self.args)
         args[self.argnums] = (model_fn or self.plan.run_model)(leaves)
         return self.fun(*args, **self.kwargs)
 
-    def _others(self):
-        return [a for i, a in enumerate(self.args) if i != self.argnums]
-
-    def _with_others(self, others):
-        it = iter(others)
-        return [self.args[i] if i == self.argnums else next(it) for i in range(len(self.args))]
-
-    def _probe(self):
-        """Tag shapes for a batch of one: tells the batch axis apart from axes of the same size."""
-        flat, tdef = jax.tree_util.tree_flatten(self._others())
-        sliced = [a[:1] if _batched(a, self.batch) else a for a in flat]
-        where = [k for k, a in enumerate(sliced) if _is_array(a)]
-
-        def shapes(*arrays):
-            vals = list(sliced)
-            for k, a in zip(where, arrays):
-                vals[k] = a
-            full = self._with_others(jax.tree_util.tree_unflatten(tdef, vals))
-            run = _capture(lambda lv: self._call_with(lv, args=full), tags=lambda n: n in self.tag_names)
-            return run(self.plan.leaves)[1]
-
-        try:
-            return jax.eval_shape(shapes, *[sliced[k] for k in where])
-        except Exception:  # a model that cannot run on one example: its ambiguous layers fall back
-            return {}
+    def _run_program(self, leaves):
+        """The traced program, with each shared layer output tagged where it meets the examples."""
+        at = {(id(use.eqn), use.index): name for uses in self.shared_names.values() for name, use in uses}
+        env: dict = {}
+        for v, x in zip((*self.jaxpr.constvars, *self.jaxpr.invars), (*self.consts, *leaves)):
+            _compat.write(env, v, x)
+        for eqn in self.jaxpr.eqns:
+            ins = [_compat.read(env, a) for a in eqn.invars]
+            for i, a in enumerate(ins):
+                name = at.get((id(eqn), i))
+                if name is not None:
+                    ins[i] = _tag(jnp.broadcast_to(a, eqn.outvars[0].aval.shape), name)
+            for v, x in zip(eqn.outvars, _compat.bind_equation(eqn, ins)):
+                _compat.write(env, v, x)
+        return jax.tree_util.tree_unflatten(self._out_tree, [_compat.read(env, a) for a in self.jaxpr.outvars])
 
     @functools.cached_property
     def _dtypes(self) -> list:
@@ -111,57 +118,129 @@ class Call:
         (leaf_cts,), tag_cts = self.pullback(jnp.ones_like(self.losses))
         return leaf_cts, tag_cts
 
+    def _layer_inputs(self, layer, tag_cts):
+        """``(x, g, (axis, inner))`` of the layer's calls, examples located; or ``None`` and why not."""
+        x, g = self.values.get(layer.path + INPUT_SUFFIX), tag_cts.get(layer.path)
+        if not isinstance(x, jax.Array) or not isinstance(g, jax.Array):
+            return None, "its input or output is not one array"
+        if layer.path in self.shared_names:
+            occs = self.proof.occurrences[layer.path]
+            if len(occs) != 1:
+                return None, "a layer applied to a value shared by every example is called once only"
+            use_g = 0.0
+            for name, use in self.shared_names[layer.path]:
+                use_g = use_g + self._shared_gradient(tag_cts[name], use, g.shape)
+            return (jnp.broadcast_to(x, (self.batch, *x.shape)), use_g, (0, 1)), None
+        where = self.proof.example_axis(layer.path, g.ndim, self.batch)
+        if where is None:
+            why = self.proof.unproven.get(layer.path)
+            return None, "its output reaches several examples' losses" + (
+                f" ({_compat.construct(why.eqn)})" if isinstance(why, Every) and why.eqn is not None else ""
+            )
+        return (x, g, where), None
+
+    def _shared_gradient(self, ct, use, shape):
+        """Each example's gradient ``(B, *shape)`` at a shared layer output from the cotangent of its
+        broadcast where it meets the examples (``use``)."""
+        axis, _ = self.proof.axis_at(use.eqn.outvars[0], self.batch)
+        chain = use.chain
+
+        def forward(y):
+            for eqn in chain:
+                (y,) = _compat.bind_equation(eqn, [y])
+            return y
+
+        operand_aval = use.eqn.invars[use.index].aval
+        back = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, operand_aval.dtype if not chain else chain[0].invars[0].aval.dtype))
+        ct = jnp.moveaxis(ct, axis, 0)  # (B, ...): one example's cotangent each, of the broadcast shape
+
+        def one(c):
+            c = jnp.expand_dims(c, axis)
+            op_shape = operand_aval.shape
+            if len(op_shape) != c.ndim:  # a scalar operand
+                c = jnp.sum(c).reshape(op_shape)
+            else:
+                summed = tuple(i for i, (s, t) in enumerate(zip(op_shape, c.shape)) if s == 1 and t != 1)
+                c = jnp.sum(c, axis=summed, keepdims=True)
+            return back(c.astype(operand_aval.dtype))[0]
+
+        return jax.vmap(one)(ct)
+
     @functools.cached_property
-    def _factors(self) -> tuple[dict, set, list]:
-        """``({leaf: [Use, ...]}, {leaves the losses do not depend on}, [the other leaves])``, by index
-        (for ``batch > 1``)."""
+    def _factors(self) -> tuple[dict, set, list, dict]:
+        """``({leaf: [Use or (steps, Use)]}, {leaves the losses do not depend on}, [the exact-path leaves],
+        {leaf: why not on factors})``, by index (for ``batch > 1``)."""
         plan, batch, dtypes = self.plan, self.batch, self._dtypes
         _, tag_cts = self._first_pullback
         uses: dict = {}
-        bad = set(plan.blocked)
-        probe = None
-        for layer in plan.layers:
-            if not layer.leaves:
-                continue
-            if layer.path not in tag_cts:  # never called: its leaves are zero unless used elsewhere (below)
-                continue
-            x, g = self.values.get(layer.path + INPUT_SUFFIX), tag_cts[layer.path]
-            ri, ro = layer.rule.ranks(layer.module)
-            ok = isinstance(x, jax.Array) and isinstance(g, jax.Array)
-            n_lead = x.ndim - ri if ok else 0
-            ok = ok and n_lead >= 1 and g.ndim - ro == n_lead and x.shape[:n_lead] == g.shape[:n_lead]
-            axis = None
-            if ok:
-                axis = _batch_axis(x.shape, n_lead, batch, None)
-                if axis is None and x.shape[:n_lead].count(batch) > 1:
-                    probe = self._probe() if probe is None else probe
-                    p = probe.get(layer.path + INPUT_SUFFIX)
-                    axis = _batch_axis(x.shape, n_lead, batch, getattr(p, "shape", None))
-            if axis is None:
-                bad.update(layer.leaves.values())
-                continue
-            dt = functools.reduce(jnp.promote_types, [dtypes[i] for i in layer.leaves.values()], _compute_dtype(g.dtype))
-            xb = _to_bl(x if not jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(dt), axis, n_lead)
-            gb = _to_bl(g.astype(dt), axis, n_lead)
-            for attr, use in layer.rule.factors(layer.module, xb, gb).items():
-                if attr in layer.leaves:
-                    uses.setdefault(layer.leaves[attr], []).append(use)
-        # Which leaves the losses depend on other than through their covered layers' calls: with
-        # factors, a use outside them (a tied head `h @ embed.weight.T`): not by factors; without,
-        # none at all: a zero gradient.
+        why: dict = {i: "no per-layer rule covers it" for i in range(len(plan.leaves))}
         owned: dict = {}
         for layer in plan.layers:
-            owned.setdefault(layer.path, set()).update(i for i in layer.leaves.values() if i in uses and i not in bad)
-        outside = used_outside(self._call_with, plan.leaves, owned)
-        uses = {i: us for i, us in uses.items() if i not in bad and i not in outside}
+            occs = self.proof.occurrences.get(layer.path, [])
+            if not layer.leaves or not occs or layer.path not in tag_cts:
+                continue  # never called: its leaves are zero unless used elsewhere (below)
+            leaves = {}
+            for attr in layer.leaves:
+                origins = {occ.params.get(attr) for occ in occs}
+                origin = origins.pop() if len(origins) == 1 else None
+                if origin is None:
+                    why[layer.leaves[attr]] = f"its layer {layer.path!r} multiplies a value computed from it, not the leaf itself"
+                    continue
+                leaves[attr] = origin
+            got, reason = self._layer_inputs(layer, tag_cts)
+            if got is None:
+                for kind, i in leaves.values():
+                    why[i] = f"at its layer {layer.path!r}: {reason}"
+                continue
+            x, g, (axis, inner) = got
+            ri, ro = layer.rule.ranks(layer.module)
+            n_lead = x.ndim - ri
+            if n_lead < 1 or g.ndim - ro != n_lead or x.shape[:n_lead] != g.shape[:n_lead] or axis >= n_lead:
+                for kind, i in leaves.values():
+                    why[i] = f"its layer {layer.path!r} is called with inputs of unexpected shapes"
+                continue
+            stepped = {a for a, (kind, _) in leaves.items() if kind == "step"}
+            per_step: dict = {}
+            dt = functools.reduce(jnp.promote_types, [dtypes[i] for _, i in leaves.values()], _compute_dtype(g.dtype))
+            xf = x if not jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(dt)
+            if stepped:
+                if len(occs) != 1 or occs[0].steps != 1 or axis == 0:
+                    for a in stepped:
+                        why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in nested loops or called twice a step"
+                    continue
+                module = _step_module(layer.module, x.shape[0])
+                per_step = jax.vmap(
+                    lambda xs, gs: layer.rule.factors(
+                        module, _examples_first(xs, axis - 1, inner, n_lead - 1), _examples_first(gs.astype(dt), axis - 1, inner, n_lead - 1)
+                    )
+                )(xf, g)
+            factors = {}
+            if set(leaves) - stepped:
+                xb, gb = _examples_first(xf, axis, inner, n_lead), _examples_first(g.astype(dt), axis, inner, n_lead)
+                factors = layer.rule.factors(layer.module, xb, gb)
+            for attr, (kind, i) in leaves.items():
+                item = ("steps", per_step.get(attr)) if attr in stepped else factors.get(attr)
+                if item is None or (attr in stepped and item[1] is None):
+                    continue
+                uses.setdefault(i, []).append(item)
+                owned.setdefault(layer.path, set()).add(i)
+        outside = used_outside(self.jaxpr, len(plan.leaves), owned)
+        for i in outside:
+            if i in uses:
+                why[i] = "it is also used outside its layers (a tied head `h @ embed.weight.T`, a module no rule covers)"
+        mixed = {i for i, us in uses.items() if len({isinstance(u, tuple) for u in us}) > 1}
+        for i in mixed:
+            why[i] = "it is used both as a whole and one slice per scan step"
+        uses = {i: us for i, us in uses.items() if i not in outside and i not in mixed}
         zero = {i for i in range(len(plan.leaves)) if i not in uses and i not in outside}
-        return uses, zero, [i for i in range(len(plan.leaves)) if i not in uses and i not in zero]
+        exact = [i for i in range(len(plan.leaves)) if i not in uses and i not in zero]
+        return uses, zero, exact, why
 
     @functools.cached_property
-    def _fallback_grads(self) -> dict:
+    def _exact_grads(self) -> dict:
         """``{leaf index: per-example gradient (B, *leaf.shape)}`` for the leaves no factors cover."""
-        _, _, missing = self._factors
-        return dict(zip(missing, self._fallback(missing))) if missing else {}
+        _, _, exact, why = self._factors
+        return dict(zip(exact, self._exact(exact, why))) if exact else {}
 
     def sq_norms(self):
         """Per-leaf squared norms ``(B,)``, in the order of ``plan.leaves``."""
@@ -169,74 +248,92 @@ class Call:
         if self.batch == 1:
             leaf_cts, _ = self._first_pullback
             return [jnp.sum(jnp.square(c.astype(dt)))[None] for c, dt in zip(leaf_cts, dtypes)]
-        uses, zero, _ = self._factors
+        uses, zero, _, _ = self._factors
         out = []
         for i in range(len(self.plan.leaves)):
             if i in uses:
-                out.append(sq_norm(uses[i], dtypes[i]).astype(dtypes[i]))
+                out.append(_sq_norm(uses[i], dtypes[i]).astype(dtypes[i]))
             elif i in zero:
                 out.append(jnp.zeros(self.batch, dtypes[i]))
             else:
-                p = self._fallback_grads[i].astype(dtypes[i])
+                p = self._exact_grads[i].astype(dtypes[i])
                 out.append(jnp.sum(jnp.square(p).reshape(p.shape[0], -1), axis=1))
         return out
 
     def weighted_grads(self, weights):
         """Per-leaf ``sum_i weights[i] g_i`` (the clipped sum, for clipping weights), in the leaves' dtypes.
 
-        From the pass's factors (and the fallback's per-example gradients): no second pullback.
+        From the pass's factors (and the exact path's per-example gradients): no second pullback.
         """
         leaves, dtypes = self.plan.leaves, self._dtypes
         if self.batch == 1:
             leaf_cts, _ = self._first_pullback
             return [(weights[0].astype(dt) * c.astype(dt)).astype(c.dtype) for c, dt in zip(leaf_cts, dtypes)]
-        uses, zero, _ = self._factors
+        uses, zero, _, _ = self._factors
         out = []
         for i, leaf in enumerate(leaves):
             if i in uses:
-                g = weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i])
+                g = _weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i])
             elif i in zero:
                 g = jnp.zeros(jnp.shape(leaf), dtypes[i])
             else:
-                g = jnp.tensordot(weights.astype(dtypes[i]), self._fallback_grads[i].astype(dtypes[i]), 1)
+                g = jnp.tensordot(weights.astype(dtypes[i]), self._exact_grads[i].astype(dtypes[i]), 1)
             out.append(g.astype(jnp.result_type(leaf)))
         return out
 
-    def _fallback(self, missing):
-        """Per-example gradients of the ``missing`` leaves, by ``jax.vmap(jax.grad)`` of those leaves alone."""
+    def _exact(self, missing, why):
+        """Per-example gradients of the ``missing`` leaves by the definition: the pullback of the losses
+        vector against each example's basis vector (``jax.vmap`` over the rows of an identity)."""
         plan = self.plan
         if self.fallback == "error":
             lines = [
-                f"  {plan.names[i]!r} (in module {plan.owners[i][0]!r}, {plan.owners[i][1]})" for i in missing
+                f"  {plan.names[i]!r} (in module {plan.owners[i][0]!r}, {plan.owners[i][1]}): {why.get(i, '')}"
+                for i in missing
             ]
             raise TagError(
-                "jaxtrace.per_example_norms has no per-layer rule for these leaves (a rule covers "
-                "Linear, Embedding, LayerNorm, RMSNorm and Conv layers called by their __call__ with "
-                "the batch on a leading axis, where the leaf is used by such layers only; a tied head "
-                "written `h @ embed.weight.T` is a use outside them):\n" + "\n".join(lines) + "\nPass "
-                "fallback=\"vmap\" to compute them with jax.vmap(jax.grad), for those leaves only."
+                "jaxtrace.per_example_norms cannot give these leaves' per-example gradients from their "
+                "layers' factors (a rule covers Linear, Embedding, LayerNorm, RMSNorm and Conv layers whose "
+                "weight is the leaf itself and whose output positions each reach one example's loss):\n"
+                + "\n".join(lines)
+                + '\nPass fallback="vmap" to compute them exactly from the definition (a pullback of the '
+                "losses per example, for those leaves only)."
             )
         fixed = list(plan.leaves)
-        flat, tdef = jax.tree_util.tree_flatten(self._others())
-        where = [k for k, a in enumerate(flat) if _batched(a, self.batch)]
 
-        def one(sub, batched):
+        def losses_of(sub):
             ls = list(fixed)
             for i, v in zip(missing, sub):
                 ls[i] = v
-            args = list(flat)
-            for k, a in zip(where, batched):
-                args[k] = a[None]
-            full = self._with_others(jax.tree_util.tree_unflatten(tdef, args))
-            return self._call_with(ls, model_fn=plan.plain_model, args=full)[0]
+            out = self._call_with(ls, model_fn=plan.plain_model)
+            return out[0] if self.has_aux else out
 
-        return jax.vmap(jax.grad(one), in_axes=(None, 0))([fixed[i] for i in missing], [flat[k] for k in where])
-
-
-def _is_array(a) -> bool:
-    return isinstance(a, (jax.Array, np.ndarray))
+        losses, pullback = jax.vjp(losses_of, [fixed[i] for i in missing])
+        (rows,) = jax.vmap(pullback)(jnp.eye(self.batch, dtype=losses.dtype))
+        return rows
 
 
-def _batched(a, batch) -> bool:
-    return _is_array(a) and np.ndim(a) >= 1 and np.shape(a)[0] == batch
+def _step_module(module, steps: int):
+    """One step's module of a layer stacked for ``lax.scan`` (its arrays with a leading ``steps`` axis)."""
+    return jax.tree_util.tree_map(
+        lambda a: a[0] if isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == steps else a, module
+    )
 
+
+def _sq_norm(uses: list, dtype) -> jax.Array:
+    """``sq_norm`` where some uses are one slice per scan step (``("steps", Use)``): no cross terms
+    between steps, since each step's slice is a parameter of its own."""
+    whole = [u for u in uses if not isinstance(u, tuple)]
+    steps = [u[1] for u in uses if isinstance(u, tuple)]
+    total = sq_norm(whole, dtype) if whole else 0.0
+    if steps:
+        total = total + jnp.sum(jax.vmap(lambda us: sq_norm(us, dtype))(steps), axis=0)
+    return total
+
+
+def _weighted_sum(uses: list, weights, shape: tuple, dtype) -> jax.Array:
+    whole = [u for u in uses if not isinstance(u, tuple)]
+    steps = [u[1] for u in uses if isinstance(u, tuple)]
+    if not steps:
+        return weighted_sum(whole, weights, shape, dtype)
+    per_step = jax.vmap(lambda us: weighted_sum(us, weights, shape[1:], dtype))(steps)
+    return jnp.reshape(per_step, shape)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from .._module_tags import is_nnx_module, key_name, path_name
+from .._module_tags import is_nnx_module, key_name, path_name, tag_module_calls
 from ._rules import Rule, ensure_rules, rule_for
 
 
@@ -71,14 +71,18 @@ def _record(records):
     return where
 
 
+def _tag(model, records: list):
+    """``model`` with each covered layer's input, output and parameters tagged (the parameters where
+    the layer reads them: ``_proof`` checks they are the leaves)."""
+    return tag_module_calls(model, where=_record(records), inputs=True, params_of=lambda m: rule_for(m).params(m))
+
+
 def _eqx_plan(model) -> Plan:
     import equinox as eqx
 
-    from .. import tag_modules
-
     ensure_rules("equinox")
     records: list = []
-    tagged = tag_modules(model, where=_record(records), inputs=True)
+    tagged = _tag(model, records)
     flat, treedef = jax.tree_util.tree_flatten_with_path(model)
     kp_index = {kp: i for i, (kp, _) in enumerate(flat)}
     inexact = [eqx.is_inexact_array(leaf) for _, leaf in flat]
@@ -170,11 +174,9 @@ def _owner(model, kp):
 def _nnx_plan(model) -> Plan:
     from flax import nnx
 
-    from .. import tag_modules
-
     ensure_rules("nnx")
     records: list = []
-    tagged = tag_modules(model, where=_record(records), inputs=True)
+    tagged = _tag(model, records)
 
     def state_path(kp):
         keys = [k.key for k in kp if isinstance(k, jax.tree_util.DictKey)]

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 
 from ._pass import Call
 
-def per_example_norms(fun: Callable, argnums: int = 0, *, fallback: str = "vmap", total: bool = False) -> Callable:
+def per_example_norms(
+    fun: Callable, argnums: int = 0, *, fallback: str = "vmap", total: bool = False, has_aux: bool = False
+) -> Callable:
     """Each example's squared parameter-gradient norm, per leaf, without a per-example gradient.
 
     ``fun(model, *batch)`` returns one loss per example, shape ``(B,)``; ``model`` (the
@@ -45,16 +47,17 @@ def per_example_norms(fun: Callable, argnums: int = 0, *, fallback: str = "vmap"
 
     @functools.wraps(fun)
     def norms_fun(*args, **kwargs):
-        call = Call(fun, argnums, fallback, args, kwargs)
+        call = Call(fun, argnums, fallback, has_aux, args, kwargs)
         sq = call.sq_norms()
+        value = (call.losses, call.aux) if has_aux else call.losses
         if total:
-            return call.losses, functools.reduce(jnp.add, sq) if sq else jnp.zeros_like(call.losses)
-        return call.losses, call.plan.out(sq)
+            return value, functools.reduce(jnp.add, sq) if sq else jnp.zeros_like(call.losses)
+        return value, call.plan.out(sq)
 
     return norms_fun
 
 
-def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "vmap") -> Callable:
+def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "vmap", has_aux: bool = False) -> Callable:
     """The clipped sum of DP-SGD: ``sum_i min(1, max_norm / |g_i|) g_i``, without per-example gradients.
 
     ``fun(model, *batch)`` returns one loss per example, shape ``(B,)``; ``g_i`` is the
@@ -83,10 +86,11 @@ def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "
 
     @functools.wraps(fun)
     def clipped_fun(*args, **kwargs):
-        call = Call(fun, argnums, fallback, args, kwargs)
+        call = Call(fun, argnums, fallback, has_aux, args, kwargs)
         sq = call.sq_norms()
         sq_total = functools.reduce(jnp.add, sq) if sq else jnp.zeros(call.losses.shape, jnp.float32)
-        return call.losses, call.plan.out(call.weighted_grads(clip_weights(sq_total, max_norm)))
+        value = (call.losses, call.aux) if has_aux else call.losses
+        return value, call.plan.out(call.weighted_grads(clip_weights(sq_total, max_norm)))
 
     return clipped_fun
 

@@ -16,27 +16,23 @@ to the fallback where its factors would have been enough, never the other way ro
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
-import jax
+from typing import Sequence
 
 from .. import _compat
 from .._module_tags import INPUT_SUFFIX
 from .._tag import is_tag
 
 
-def used_outside(fun: Callable, leaves: Sequence, owned: dict[str, set[int]]) -> set[int]:
-    """Indices of ``leaves`` on which ``fun(leaves)`` depends other than through their layers.
+def used_outside(jaxpr, n_leaves: int, owned: dict[str, set[int]]) -> set[int]:
+    """Indices of the leaves (``jaxpr``'s first ``n_leaves`` invars) on which the jaxpr's first output
+    depends other than through their layers.
 
     ``owned`` maps a covered layer's tag name (its path) to the leaves its rule covers.
     """
-    jaxpr, _ = _compat.jaxpr_and_consts(jax.make_jaxpr(fun)(list(leaves)))
-    masks = [1 << i for i in range(len(jaxpr.invars))]
+    masks = [1 << i for i in range(n_leaves)] + [0] * (len(jaxpr.invars) - n_leaves)
     cut = {name: sum(1 << i for i in idx) for name, idx in owned.items()}
-    reached = 0
-    for m in _Flows(cut).run(jaxpr, [0] * len(jaxpr.constvars) + masks):
-        reached |= m
-    return {i for i in range(len(leaves)) if reached >> i & 1}
+    reached = _Flows(cut).run(jaxpr, [0] * len(jaxpr.constvars) + masks)[0]
+    return {i for i in range(n_leaves) if reached >> i & 1}
 
 
 class _Flows:
@@ -71,6 +67,8 @@ class _Flows:
 
     def _equation(self, eqn, ins: list[int]) -> list[int]:
         name, n_out = eqn.primitive.name, len(eqn.outvars)
+        if name == "stop_gradient":  # no derivative flows through it: a frozen leaf's gradient is zero
+            return [0] * n_out
         if name in _compat.SCAN:
             p = _compat.scan_params(eqn)
             return self._loop(p.body, ins, p.num_consts, p.num_carry)

@@ -112,8 +112,9 @@ def named_modules(model: nnx.Module) -> list:
     return out
 
 
-def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False) -> nnx.Module:
-    """The Flax NNX case of ``jaxtrace.tag_modules``; see its docstring."""
+def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False, params_of=None) -> nnx.Module:
+    """The Flax NNX case of ``jaxtrace.tag_modules``; see its docstring (``params_of``: see
+    ``jaxtrace._module_tags.tag_module_calls``)."""
     named = [(name, path, m) for name, path, m in named_modules(model) if is_callable_module(m)]
     chosen = choose([(name, m) for name, _, m in named], where, "jaxtrace.tag_modules")
     paths = {name: path for name, path, _ in named}
@@ -121,5 +122,6 @@ def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False)
     nodes = dict(nnx.iter_graph(tagged))
     for name in chosen:
         module = nodes[paths[name]]
-        module.__class__ = _tagged_class(type(module), ModuleTag(name, bool(inputs)))
+        params = tuple(params_of(module)) if params_of else ()
+        module.__class__ = _tagged_class(type(module), ModuleTag(name, bool(inputs), params))
     return tagged

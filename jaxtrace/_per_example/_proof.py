@@ -1,0 +1,655 @@
+"""The proof: what the traced program says about examples and weights, read equation by equation.
+
+The Gram ("ghost") factorisation of a covered layer's per-example gradient is exact when
+(1) each position of the layer's output reaches the loss of one example only, (2) the
+weight the layer multiplies is the differentiated leaf itself (or, in ``lax.scan``, one
+step's slice of it), and the factors are read at the layer's own positions. ``prove``
+reads both from the jaxpr of ``fun(leaves)``, never from shapes:
+
+- **Which loss each element reaches** (backward, from the losses vector): an element is
+  owned by example ``(flat index // unit) % B`` (``Axis(unit)``), or reaches every loss
+  (``Every``), or none (``None``). Per-primitive rules in ``OWNERS`` carry ownership from
+  outputs to operands; a value that one use gives to one example and another use to every
+  example (a batch mean, an in-batch contrastive logit, attention across the batch) is
+  where examples interact. Where that value depends on a differentiated leaf, per-example
+  gradients are not those of independent examples: ``Proof.mixing`` names the operation
+  and its line. A primitive with no rule makes its operands reach every loss ("unknown"):
+  never an error, but no factors for the layers before it (they take the exact path).
+- **Which leaf each covered layer's parameters are** (forward): the plan tags each
+  layer's parameters as ``"<path>:params:<attribute>"`` when it is called; the operand of
+  that tag is the leaf itself, one scan step's slice of a leaf (a stacked layer), or
+  something computed from leaves (``stop_gradient``, a mask, a LoRA sum, a tie): then not
+  the leaf, and the leaf's gradient takes the exact path.
+- **Shared layer outputs**: a layer applied to a value shared by every example (position
+  ids ``arange(T)`` inside ``jax.vmap(model)``) has an output that reaches every loss; it
+  meets the examples where an elementwise operation broadcasts it against a per-example
+  value. ``Proof.shared`` lists those places: the pass tags the broadcast value there,
+  which gives each example's gradient at the shared output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .. import _compat
+from .._tag import is_tag
+
+PARAMS_SUFFIX = ":params:"  # "<path>:params:<attribute>" marks a layer's parameter where the layer reads it
+
+
+# --- ownership states ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """Element with flat (row-major) index ``f`` reaches only the loss of example ``(f // unit) % B``."""
+
+    unit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Every:
+    """Reaches every example's loss. ``kind``: "shared" (a value broadcast to every example),
+    "mix" (an operation that reads several examples), "unknown" (no rule); ``eqn``: where."""
+
+    kind: str
+    eqn: Any
+
+
+def _axis_of(shape: Sequence[int], state: Axis, batch: int) -> Optional[tuple[int, int]]:
+    """``(axis, inner)``: the example of index ``k`` along ``axis`` is ``k // inner``; None if no axis is."""
+    after = 1
+    for j in range(len(shape) - 1, -1, -1):
+        if state.unit % after == 0:
+            inner = state.unit // after
+            if shape[j] == batch * inner:
+                return j, inner
+        after *= shape[j]
+    return None
+
+
+def _unit(shape: Sequence[int], axis: int, inner: int) -> Axis:
+    return Axis(inner * math.prod(shape[axis + 1 :]))
+
+
+def _shape(atom) -> tuple:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def _inexact(atom) -> bool:
+    dtype = getattr(atom.aval, "dtype", None)
+    return dtype is not None and np.issubdtype(dtype, np.inexact)
+
+
+# --- the records --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Occurrence:
+    """One call of a covered layer, as the program has it."""
+
+    ctx: tuple  # the equations (calls, loops) that hold it, outermost first
+    eqn: Any  # the output tag's equation
+    out: Any = None  # ownership of its output (Axis / Every / None)
+    params: dict = dataclasses.field(default_factory=dict)  # attribute -> ("leaf", i) | ("step", i) | None
+    steps: int = 0  # enclosing scans
+
+
+@dataclasses.dataclass
+class SharedUse:
+    """A shared layer output meeting the examples: ``eqn``'s operand ``index`` (a chain of shape
+    equations ``chain`` from the layer's output) is broadcast against per-example operands."""
+
+    path: str
+    eqn: Any
+    index: int
+    chain: list  # equations from the layer's output var to the operand, in order
+
+
+@dataclasses.dataclass
+class Proof:
+    occurrences: dict  # layer path -> [Occurrence] in program order
+    mixing: Optional[str] = None  # a sentence naming where examples interact (leaf-dependent), or None
+    unproven: dict = dataclasses.field(default_factory=dict)  # layer path -> why its output is not per-example
+    shared: list = dataclasses.field(default_factory=list)  # [SharedUse] at the top level of the program
+    states: dict = dataclasses.field(default_factory=dict)  # (ctx, var) -> ownership
+
+    def axis_at(self, var, batch: int) -> Optional[tuple[int, int]]:
+        """``(axis, inner)`` of the examples in a top-level var, or None."""
+        state = self.states.get(((), var))
+        return _axis_of(_shape(var), state, batch) if isinstance(state, Axis) else None
+
+    def example_axis(self, path: str, value_ndim: int, batch: int) -> Optional[tuple[int, int]]:
+        """``(axis, inner)`` of the examples in the stacked value jaxtrace returns for layer ``path``
+        (loop and repeated-call axes first, vmap axes next), the same for every call; else None."""
+        found = set()
+        for occ in self.occurrences.get(path, []):
+            if occ.out is None:
+                continue
+            if not isinstance(occ.out, Axis):
+                return None
+            shape = _shape(occ.eqn.outvars[0])
+            where = _axis_of(shape, occ.out, batch)
+            if where is None:
+                return None
+            axis, inner = where
+            batch_axes = tuple(occ.eqn.params.get("batch_axes", ()))
+            order = (*batch_axes, *(i for i in range(len(shape)) if i not in batch_axes))
+            found.add((value_ndim - len(shape) + order.index(axis), inner))
+        return found.pop() if len(found) == 1 else None
+
+
+# --- the analysis -------------------------------------------------------------
+
+
+def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set) -> Proof:
+    """Reads ``jaxpr`` (invars: the leaves, then nothing; outvar 0: the losses ``(batch,)``)."""
+    analysis = _Analysis(batch, layer_paths)
+    origins = [("leaf", i) for i in range(n_leaves)] + [None] * (len(jaxpr.invars) - n_leaves)
+    deps = [True] * n_leaves + [False] * (len(jaxpr.invars) - n_leaves)
+    analysis.forward(jaxpr, [None] * len(jaxpr.constvars) + origins, [False] * len(jaxpr.constvars) + deps, (), 0)
+    outs: list = [None] * len(jaxpr.outvars)
+    outs[0] = Axis(1)
+    analysis.backward(jaxpr, outs, ())
+    proof = Proof(analysis.occurrences, analysis.mixing, states=analysis.state)
+    for path, occs in analysis.occurrences.items():
+        for occ in occs:
+            if isinstance(occ.out, Every):
+                proof.unproven[path] = occ.out
+    proof.shared = analysis.shared_uses(jaxpr)
+    return proof
+
+
+class _Analysis:
+    def __init__(self, batch: int, layer_paths: set):
+        self.batch = batch
+        self.layer_paths = layer_paths
+        self.occurrences: dict = {}
+        self.pending: dict = {}  # (ctx, path) -> params seen since that layer's last call
+        self.by_eqn: dict = {}  # (ctx, id(eqn)) -> Occurrence
+        self.dep: dict = {}  # (ctx, var) -> depends on a leaf
+        self.iota: dict = {}  # (ctx, var) -> ("iota", dim) | ("false",) | ("components", {k: dim})
+        self.state: dict = {}  # (ctx, var) -> ownership
+        self.mixing: Optional[str] = None
+        self.top_eqns: list = []
+
+    # forward: which leaf each parameter is, what depends on leaves, which ints are positions
+
+    def forward(self, jaxpr, origins: list, deps: list, ctx: tuple, steps: int) -> tuple[list, list]:
+        env = dict(zip((*jaxpr.constvars, *jaxpr.invars), origins))
+        for v, d in zip((*jaxpr.constvars, *jaxpr.invars), deps):
+            self.dep[(ctx, v)] = d
+        read = lambda a: None if isinstance(a, _compat.Literal) else env.get(a)  # noqa: E731
+        dep = lambda a: (not isinstance(a, _compat.Literal)) and self.dep.get((ctx, a), False)  # noqa: E731
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            ins, in_deps = [read(a) for a in eqn.invars], [dep(a) for a in eqn.invars]
+            outs: list = [None] * len(eqn.outvars)
+            out_deps = [any(in_deps)] * len(eqn.outvars)
+            if is_tag(eqn):
+                outs = [ins[0]]
+                self._tag(eqn, ins[0], ctx, steps)
+            elif name in _compat.INLINE_CALLS or name in _compat.REMAT or name in _compat.CUSTOM_DERIVATIVES:
+                body = _compat.custom_primal(eqn) if name in _compat.CUSTOM_DERIVATIVES else _compat.call_body(eqn)
+                outs, out_deps = self._call(body, ins, in_deps, (*ctx, eqn), steps)
+            elif name in _compat.COND:
+                for branch in _compat.cond_branches(eqn):
+                    _, bd = self._call(branch, ins[1:], in_deps[1:], (*ctx, eqn, branch), steps)
+                    out_deps = [a or b for a, b in zip(out_deps, bd)] if bd else out_deps
+            elif name in _compat.SCAN:
+                p = _compat.scan_params(eqn)
+                k, c = p.num_consts, p.num_carry
+                body_ins = ins[:k] + [None] * c + [("step", o[1]) if o and o[0] == "leaf" else None for o in ins[k + c :]]
+                carry = list(in_deps[k : k + c])
+                while True:
+                    _, bd = self._call(p.body, body_ins, in_deps[:k] + carry + in_deps[k + c :], (*ctx, eqn), steps + 1)
+                    new = [a or b for a, b in zip(carry, bd[:c])]
+                    if new == carry:
+                        break
+                    carry = new
+                out_deps = carry + bd[c:]
+            else:
+                self._iota_rule(eqn, ctx)
+            for v, o, d in zip(eqn.outvars, outs, out_deps):
+                env[v] = o
+                self.dep[(ctx, v)] = d
+            if not ctx:
+                self.top_eqns.append(eqn)
+        return [read(a) for a in jaxpr.outvars], [dep(a) for a in jaxpr.outvars]
+
+    def _call(self, body, ins, in_deps, ctx, steps):
+        jaxpr, _ = _compat.jaxpr_and_consts(body)
+        n = len(jaxpr.constvars)
+        return self.forward(jaxpr, [None] * n + list(ins), [False] * n + list(in_deps), ctx, steps)
+
+    def _tag(self, eqn, origin, ctx, steps):
+        name = eqn.params["name"]
+        if PARAMS_SUFFIX in name:
+            path, attr = name.split(PARAMS_SUFFIX, 1)
+            self.pending.setdefault((ctx, path), {})[attr] = origin
+        elif name in self.layer_paths:
+            if (ctx, id(eqn)) in self.by_eqn:  # a loop body read again (its carries' fixed point)
+                self.pending.pop((ctx, name), None)
+                return
+            occ = Occurrence(ctx, eqn, params=self.pending.pop((ctx, name), {}), steps=steps)
+            self.occurrences.setdefault(name, []).append(occ)
+            self.by_eqn[(ctx, id(eqn))] = occ
+
+    def _iota_rule(self, eqn, ctx):
+        """Integer arrays that hold their own position along an axis (``arange`` and what jnp indexing
+        builds from it), so that ``x[arange(B), labels]`` reads each example's own row."""
+        name, get = eqn.primitive.name, lambda a: None if isinstance(a, _compat.Literal) else self.iota.get((ctx, a))
+        out = None
+        if name == "iota":
+            out = ("iota", eqn.params["dimension"])
+        elif name in ("convert_element_type", "copy") and get(eqn.invars[0]):
+            out = get(eqn.invars[0])
+        elif name == "lt" and _is_iota(get(eqn.invars[0])) and _literal_is(eqn.invars[1], 0):
+            out = ("false",)
+        elif name == "select_n" and get(eqn.invars[0]) == ("false",):
+            out = get(eqn.invars[1])
+        elif name == "broadcast_in_dim" and _is_iota(get(eqn.invars[0])):
+            dims = eqn.params["broadcast_dimensions"]
+            d = get(eqn.invars[0])[1]
+            if _shape(eqn.invars[0])[d] == _shape(eqn.outvars[0])[dims[d]]:
+                out = ("iota", int(dims[d]))
+        elif name == "concatenate":
+            dim = eqn.params["dimension"]
+            comps, k = {}, 0
+            for a in eqn.invars:
+                info = get(a)
+                if _is_iota(info) and info[1] != dim:
+                    comps[k] = info[1]
+                k += _shape(a)[dim]
+            out = ("components", dim, comps) if comps else None
+        if out is not None:
+            self.iota[(ctx, eqn.outvars[0])] = out
+
+    # backward: which loss each element reaches
+
+    def backward(self, jaxpr, out_states: list, ctx: tuple) -> list:
+        states: dict = {}
+        for v, s in zip(jaxpr.outvars, out_states):
+            if not isinstance(v, _compat.Literal):
+                states[v] = self._join(states.get(v), s, v, ctx, None)
+        for eqn in reversed(jaxpr.eqns):
+            outs = [states.get(v) for v in eqn.outvars]
+            for v, s in zip(eqn.outvars, outs):
+                self.state[(ctx, v)] = s
+            occ = self.by_eqn.get((ctx, id(eqn)))
+            if occ is not None:
+                occ.out = _join_plain(occ.out, outs[0])
+            if all(s is None for s in outs):
+                continue
+            ins = self._operands(eqn, outs, ctx)
+            for a, s in zip(eqn.invars, ins):
+                if not isinstance(a, _compat.Literal) and s is not None:
+                    states[a] = self._join(states.get(a), s, a, ctx, eqn)
+        for v in (*jaxpr.constvars, *jaxpr.invars):
+            self.state[(ctx, v)] = states.get(v)
+        return [states.get(v) for v in (*jaxpr.constvars, *jaxpr.invars)]
+
+    def _join(self, old, new, var, ctx, eqn):
+        if old is None or old == new:
+            return new
+        if new is None:
+            return old
+        if isinstance(old, Every) and isinstance(new, Every):
+            return old if old.kind == "mix" or new.kind != "mix" else new
+        # Two uses disagree: one example's element also reaches other examples' losses.
+        every = old if isinstance(old, Every) else new if isinstance(new, Every) else Every("mix", eqn)
+        if every.kind != "unknown" and self.mixing is None and _inexact(var) and self.dep.get((ctx, var), False):
+            where = every.eqn if every.eqn is not None else eqn
+            self.mixing = (
+                f"losses[i] depends on example j != i through {_compat.construct(where)}: a value computed "
+                "from several examples (a batch mean or variance, BatchNorm in training mode, an in-batch "
+                "contrastive loss, attention across the batch) reaches each example's loss"
+            )
+        return every if every.kind != "unknown" else Every("unknown", every.eqn)
+
+    def _operands(self, eqn, outs, ctx) -> list:
+        name = eqn.primitive.name
+        every = next((s for s in outs if isinstance(s, Every)), None)
+        if every is not None:
+            return [every] * len(eqn.invars)
+        if name in _compat.INLINE_CALLS or name in _compat.REMAT or name in _compat.CUSTOM_DERIVATIVES:
+            body = _compat.custom_primal(eqn) if name in _compat.CUSTOM_DERIVATIVES else _compat.call_body(eqn)
+            return self._body(body, outs, (*ctx, eqn))
+        if name in _compat.COND:
+            ins: list = [None] * len(eqn.invars)
+            for branch in _compat.cond_branches(eqn):
+                got = self._body(branch, outs, (*ctx, eqn, branch))
+                ins[1:] = [_join_plain(a, b) for a, b in zip(ins[1:], got)]
+            return ins
+        if name in _compat.SCAN:
+            return self._scan(eqn, outs, ctx)
+        rule = OWNERS.get(name)
+        if rule is None or len(outs) != 1 and name not in _MULTI:
+            return [Every("unknown", eqn)] * len(eqn.invars)
+        try:
+            got = rule(self, eqn, outs, ctx)
+        except Exception:  # a layout the rule does not read: reaches every loss, no claim made
+            got = None
+        return got if got is not None else [Every("unknown", eqn)] * len(eqn.invars)
+
+    def _body(self, body, outs, ctx) -> list:
+        jaxpr, _ = _compat.jaxpr_and_consts(body)
+        return self.backward(jaxpr, list(outs), ctx)[len(jaxpr.constvars) :]
+
+    def _scan(self, eqn, outs, ctx) -> list:
+        p = _compat.scan_params(eqn)
+        k, c = p.num_consts, p.num_carry
+        ys = []
+        for v, s in zip(eqn.outvars[c:], outs[c:]):
+            if s is None:
+                ys.append(None)
+                continue
+            where = _axis_of(_shape(v), s, self.batch)
+            ys.append(_unit(_shape(v)[1:], where[0] - 1, where[1]) if where and where[0] > 0 else Every("unknown", eqn))
+        carry = list(outs[:c])
+        while True:
+            got = self._body(p.body, carry + ys, (*ctx, eqn))
+            new = [_join_plain(a, b) for a, b in zip(carry, got[k : k + c])]
+            if new == carry:
+                break
+            carry = new
+        xs = []
+        for v, s in zip(eqn.invars[k + c :], got[k + c :]):
+            if s is None or isinstance(s, Every):
+                xs.append(s)
+                continue
+            inner = _shape(v)[1:]
+            where = _axis_of(inner, s, self.batch)
+            xs.append(_unit(_shape(v), where[0] + 1, where[1]) if where else Every("unknown", eqn))
+        return got[:k] + carry + xs
+
+    def shared_uses(self, jaxpr) -> list:
+        """Where each top-level layer output that reaches every loss meets the examples; a layer with
+        any other use gets none (its leaves take the exact path)."""
+        users: dict = {}
+        for eqn in jaxpr.eqns:
+            for a in eqn.invars:
+                if not isinstance(a, _compat.Literal):
+                    users.setdefault(a, []).append(eqn)
+        outs = {a for a in jaxpr.outvars if not isinstance(a, _compat.Literal)}
+        found = []
+        for path, occs in self.occurrences.items():
+            for occ in occs:
+                if occ.ctx or not isinstance(occ.out, Every) or occ.out.kind != "shared":
+                    continue
+                uses = self._meetings(occ.eqn.outvars[0], [], users, outs)
+                if uses is None:
+                    continue
+                found.extend(SharedUse(path, eqn, index, chain) for eqn, index, chain in uses)
+        return found
+
+    def _meetings(self, var, chain, users, outs) -> Optional[list]:
+        if var in outs:
+            return None
+        found = []
+        for eqn in users.get(var, []):
+            state = self.state.get(((), eqn.outvars[0]))
+            if state is None:
+                continue
+            if eqn.primitive.name in _SHAPE_ONLY and len(eqn.invars) == 1:
+                more = self._meetings(eqn.outvars[0], [*chain, eqn], users, outs)
+                if more is None:
+                    return None
+                found.extend(more)
+                continue
+            if eqn.primitive.name not in _ELEMENTWISE or eqn.primitive.name == "jaxtrace_tag" or not isinstance(state, Axis):
+                return None
+            where = _axis_of(_shape(eqn.outvars[0]), state, self.batch)
+            if where is None or where[1] != 1:
+                return None
+            ins = _elementwise(self, eqn, [state], ())
+            for index, a in enumerate(eqn.invars):
+                if a is var:
+                    if not (isinstance(ins[index], Every) and ins[index].kind == "shared"):
+                        return None
+                    found.append((eqn, index, list(chain)))
+        return found
+
+
+def _join_plain(a, b):
+    if a is None or a == b:
+        return b
+    if b is None:
+        return a
+    return a if isinstance(a, Every) else b if isinstance(b, Every) else Every("mix", None)
+
+
+def _is_iota(info) -> bool:
+    return bool(info) and info[0] == "iota"
+
+
+def _literal_is(atom, value) -> bool:
+    return isinstance(atom, _compat.Literal) and np.ndim(atom.val) == 0 and atom.val == value
+
+
+# --- per-primitive ownership rules: (analysis, eqn, out states, ctx) -> operand states ---------
+
+OWNERS: dict[str, Callable] = {}
+_MULTI = {"split", "sort", "top_k"}
+
+
+def register(*names):
+    def deco(rule):
+        for n in names:
+            OWNERS[n] = rule
+        return rule
+
+    return deco
+
+
+_ELEMENTWISE = {
+    "add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "and", "or", "xor", "not",
+    "eq", "ne", "lt", "le", "gt", "ge", "neg", "exp", "exp2", "log", "log1p", "expm1", "tanh",
+    "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "sqrt", "rsqrt", "cbrt", "abs", "sign", "floor", "ceil", "round", "is_finite",
+    "select_n", "clamp", "convert_element_type", "integer_pow", "square", "erf", "erfc", "erf_inv",
+    "lgamma", "digamma", "reduce_precision", "nextafter", "copy", "copy_p", "stop_gradient", "real",
+    "imag", "conj", "complex", "add_any", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "optimization_barrier", "jaxtrace_tag",
+}
+_SHAPE_ONLY = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy"}
+
+
+@register(*_ELEMENTWISE)
+def _elementwise(an, eqn, outs, ctx):
+    out_shape = _shape(eqn.outvars[0])
+    where = _axis_of(out_shape, outs[0], an.batch)
+    ins = []
+    for a in eqn.invars:
+        shape = _shape(a)
+        if where is None:  # keep the flat pattern where shapes agree
+            ins.append(outs[0] if shape == out_shape else Every("unknown", eqn))
+        elif len(shape) != len(out_shape):
+            ins.append(Every("shared", eqn))  # a scalar operand reaches every example
+        elif shape[where[0]] == out_shape[where[0]]:
+            ins.append(_unit(shape, *where))
+        else:
+            ins.append(Every("shared", eqn))  # broadcast along the examples (a size-1 axis)
+    return ins
+
+
+@register("broadcast_in_dim")
+def _broadcast(an, eqn, outs, ctx):
+    out_shape, shape = _shape(eqn.outvars[0]), _shape(eqn.invars[0])
+    where = _axis_of(out_shape, outs[0], an.batch)
+    if where is None:
+        return None
+    dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
+    rest = [None] * (len(eqn.invars) - 1)
+    if where[0] in dims and shape[dims.index(where[0])] == out_shape[where[0]]:
+        return [_unit(shape, dims.index(where[0]), where[1]), *rest]
+    return [Every("shared", eqn), *rest]
+
+
+@register("reshape", "squeeze", "expand_dims")
+def _reshape(an, eqn, outs, ctx):
+    return [outs[0]] + [None] * (len(eqn.invars) - 1)  # the flat index is unchanged
+
+
+@register("transpose")
+def _transpose(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    if where is None:
+        return None
+    perm = eqn.params["permutation"]
+    return [_unit(_shape(eqn.invars[0]), int(perm[where[0]]), where[1])]
+
+
+def _kept_axis(eqn, outs, an, removed):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    if where is None:
+        return None
+    kept = [i for i in range(len(_shape(eqn.invars[0]))) if i not in removed]
+    return _unit(_shape(eqn.invars[0]), kept[where[0]], where[1])
+
+
+@register("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin")
+def _reduce(an, eqn, outs, ctx):
+    s = _kept_axis(eqn, outs, an, {int(a) for a in eqn.params["axes"]})
+    return None if s is None else [s] + [None] * (len(eqn.invars) - 1)
+
+
+@register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "rev")
+def _along(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    axes = eqn.params.get("dimensions", (eqn.params.get("axis"),))
+    if where is None:
+        return None
+    if where[0] in {int(a) for a in axes}:
+        return [Every("mix", eqn)]
+    return [outs[0]]
+
+
+@register("sort", "split", "top_k")
+def _sorted(an, eqn, outs, ctx):
+    states = [s for s in outs if s is not None]
+    if eqn.primitive.name == "split":
+        axis = int(eqn.params["axis"])
+        wheres = {_axis_of(_shape(v), s, an.batch) for v, s in zip(eqn.outvars, outs) if s is not None}
+        if len(wheres) != 1 or None in wheres or next(iter(wheres))[0] == axis:
+            return None
+        return [_unit(_shape(eqn.invars[0]), *next(iter(wheres)))]
+    axis = int(eqn.params.get("dimension", len(_shape(eqn.invars[0])) - 1))
+    wheres = {_axis_of(_shape(eqn.outvars[0]), s, an.batch) for s in states}
+    if len(wheres) != 1 or None in wheres:
+        return None
+    where = next(iter(wheres))
+    if where[0] == axis:
+        return [Every("mix", eqn)] * len(eqn.invars)
+    return [_unit(_shape(a), *where) for a in eqn.invars]
+
+
+@register("dot_general")
+def _dot(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    if where is None:
+        return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    lfree = [i for i in range(len(lhs)) if i not in lc and i not in lb]
+    rfree = [i for i in range(len(rhs)) if i not in rc and i not in rb]
+    j, inner = where
+    if j < len(lb):
+        return [_unit(lhs, int(lb[j]), inner), _unit(rhs, int(rb[j]), inner)]
+    if j < len(lb) + len(lfree):
+        return [_unit(lhs, lfree[j - len(lb)], inner), Every("shared", eqn)]
+    return [Every("shared", eqn), _unit(rhs, rfree[j - len(lb) - len(lfree)], inner)]
+
+
+@register("conv_general_dilated")
+def _conv(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    dn = eqn.params["dimension_numbers"]
+    if where is None or eqn.params.get("batch_group_count", 1) != 1 or where[0] != dn.out_spec[0]:
+        return None
+    return [_unit(_shape(eqn.invars[0]), int(dn.lhs_spec[0]), where[1]), Every("shared", eqn)]
+
+
+@register("gather")
+def _gather(an, eqn, outs, ctx):
+    out_shape = _shape(eqn.outvars[0])
+    where = _axis_of(out_shape, outs[0], an.batch)
+    if where is None:
+        return None
+    j, inner = where
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    operand, indices = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    offset = tuple(dn.offset_dims)
+    collapsed = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
+    if j in offset:
+        od = [d for d in range(len(operand)) if d not in collapsed][offset.index(j)]
+        if sizes[od] != operand[od] or od in dn.start_index_map:
+            return None
+        return [_unit(operand, od, inner), Every("shared", eqn)]
+    # an output batch dimension: an axis of the indices (their last axis holds the index vector)
+    batch_out = [d for d in range(len(out_shape)) if d not in offset]
+    idim = [d for d in range(len(indices) - 1)][batch_out.index(j)]
+    idx_state = _unit(indices, idim, inner)
+    obd, ibd = tuple(getattr(dn, "operand_batching_dims", ())), tuple(getattr(dn, "start_indices_batching_dims", ()))
+    if idim in ibd:
+        return [_unit(operand, int(obd[ibd.index(idim)]), inner), idx_state]
+    info = an.iota.get((ctx, eqn.invars[1])) if not isinstance(eqn.invars[1], _compat.Literal) else None
+    if inner == 1 and info and info[0] == "components":
+        for k, d in info[2].items():
+            od = dn.start_index_map[k]
+            if d == idim and od in collapsed and operand[od] == an.batch:
+                return [_unit(operand, od, 1), idx_state]
+    return [Every("shared", eqn), idx_state]
+
+
+@register("dynamic_slice")
+def _dynamic_slice(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    sizes, shape = eqn.params["slice_sizes"], _shape(eqn.invars[0])
+    if where is None or sizes[where[0]] != shape[where[0]]:
+        return None
+    return [_unit(shape, *where)] + [None] * (len(eqn.invars) - 1)
+
+
+@register("dynamic_update_slice")
+def _dynamic_update(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    shape, upd = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    if where is None or upd[where[0]] != shape[where[0]]:
+        return None
+    return [_unit(shape, *where), _unit(upd, *where)] + [None] * (len(eqn.invars) - 2)
+
+
+@register("slice")
+def _slice(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    shape = _shape(eqn.invars[0])
+    if where is None or _shape(eqn.outvars[0])[where[0]] != shape[where[0]]:
+        return None
+    return [_unit(shape, *where)]
+
+
+@register("pad")
+def _pad(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    shape = _shape(eqn.invars[0])
+    if where is None or shape[where[0]] != _shape(eqn.outvars[0])[where[0]]:
+        return None
+    return [_unit(shape, *where), Every("shared", eqn)]
+
+
+@register("concatenate")
+def _concatenate(an, eqn, outs, ctx):
+    where = _axis_of(_shape(eqn.outvars[0]), outs[0], an.batch)
+    if where is None or where[0] == eqn.params["dimension"]:
+        return None
+    return [_unit(_shape(a), *where) for a in eqn.invars]
+
+
+@register("iota", "rng_bit_generator", "random_bits", "random_seed", "random_wrap", "random_unwrap", "threefry2x32")
+def _no_gradient(an, eqn, outs, ctx):
+    return [None] * len(eqn.invars)

@@ -1,0 +1,236 @@
+"""Per-example gradients on the models DP users train: each class that was silently wrong,
+against the definition (row i of ``jax.jacrev`` of the losses vector), float64, jit and not;
+and the classes that are on factors stay there (``fallback="error"`` raises otherwise)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtrace as jt
+
+B, T, V, D = 4, 5, 7, 6
+KEYS = jax.random.split(jax.random.key(0), 8)
+
+
+def definition(losses_fn, model, *args, **kwargs):
+    """Per-leaf squared norms and the Jacobian rows, from ``jax.jacrev`` of the losses vector."""
+    diff, static = eqx.partition(model, eqx.is_inexact_array)
+    rows = jax.jacrev(lambda d: losses_fn(eqx.combine(d, static), *args, **kwargs))(diff)
+    sq = jax.tree_util.tree_map(lambda j: jnp.sum(j.reshape(j.shape[0], -1) ** 2, axis=1), rows)
+    return sq, rows
+
+
+def check(losses_fn, model, *args, jit, on_factors=True, max_norm=0.5, **kwargs):
+    sq_ref, rows = definition(losses_fn, model, *args, **kwargs)
+    wrap = eqx.filter_jit if jit else (lambda f: f)
+    _, sq = wrap(jt.per_example_norms(losses_fn, fallback="error" if on_factors else "vmap"))(model, *args, **kwargs)
+    for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref)):
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+    total = sum(jax.tree_util.tree_leaves(sq_ref))
+    w = jnp.minimum(1.0, max_norm / jnp.sqrt(total))
+    clipped_ref = jax.tree_util.tree_map(lambda j: jnp.tensordot(w, j, 1), rows)
+    _, clipped = wrap(jt.clipped_grad(losses_fn, max_norm))(model, *args, **kwargs)
+    for a, e in zip(jax.tree_util.tree_leaves(clipped), jax.tree_util.tree_leaves(clipped_ref)):
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+
+
+class GPT(eqx.Module):
+    tok: eqx.nn.Embedding
+    pos: eqx.nn.Embedding
+    ln: eqx.nn.LayerNorm
+    lin: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.tok, self.pos = eqx.nn.Embedding(V, D, key=k[0]), eqx.nn.Embedding(T, D, key=k[1])
+        self.ln, self.lin, self.head = eqx.nn.LayerNorm(D), eqx.nn.Linear(D, D, key=k[2]), eqx.nn.Linear(D, V, key=k[3])
+
+    def __call__(self, ids):
+        h = jax.vmap(self.tok)(ids) + jax.vmap(self.pos)(jnp.arange(ids.shape[0]))  # position ids inside the model
+        return jax.vmap(self.head)(jnp.tanh(jax.vmap(self.lin)(jax.vmap(self.ln)(h))))
+
+
+def lm_losses(model, ids):
+    logp = jax.nn.log_softmax(jax.vmap(model)(ids))
+    return -jnp.mean(jnp.take_along_axis(logp, ids[..., None], axis=-1)[..., 0], axis=1)
+
+
+def last_token_losses(model, ids):
+    logp = jax.nn.log_softmax(jax.vmap(model)(ids)[:, -1])
+    return -logp[jnp.arange(ids.shape[0]), ids[:, 0]]  # each example's own row, by arange
+
+
+IDS = jax.random.randint(KEYS[4], (B, T), 0, V)
+MLP = eqx.nn.MLP(3, 2, 5, 2, key=KEYS[5])
+X, Y = jax.random.normal(KEYS[6], (B, 3)), jax.random.normal(KEYS[7], (B, 2))
+
+
+def mse(model, x, y):
+    return jnp.sum((jax.vmap(model)(x) - y) ** 2, axis=-1)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_position_embedding_inside_vmap_is_on_factors(jit):
+    check(lm_losses, GPT(KEYS[0]), IDS, jit=jit)
+    check(last_token_losses, GPT(KEYS[1]), IDS, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_negative_embedding_ids_select_rows_from_the_end(jit):
+    ids = IDS.at[0, 0].set(-1).at[0, 1].set(V - 1)  # the same row twice in one example
+    check(lm_losses, GPT(KEYS[0]), ids, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_frozen_and_tied_weights(jit):
+    def frozen(model, x, y):  # the equinox FAQ's freezing: the frozen weight's gradient is zero
+        model = eqx.tree_at(lambda m: m.layers[0].weight, model, jax.lax.stop_gradient(model.layers[0].weight))
+        return mse(model, x, y)
+
+    check(frozen, MLP, X, Y, jit=jit)
+
+    class Tied(eqx.Module):  # a head tied to the embedding with tree_at at call time
+        emb: eqx.nn.Embedding
+        head: eqx.nn.Linear
+
+        def __call__(self, ids):
+            head = eqx.tree_at(lambda lin: lin.weight, self.head, self.emb.weight)
+            return jax.vmap(head)(jax.vmap(self.emb)(ids))
+
+    check(lm_losses, Tied(eqx.nn.Embedding(V, D, key=KEYS[0]), eqx.nn.Linear(D, V, use_bias=False, key=KEYS[1])), IDS, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_transformed_weights_take_the_exact_path(jit):
+    mask = (jnp.arange(15).reshape(5, 3) % 2).astype(float)
+
+    def masked(model, x, y):
+        return mse(eqx.tree_at(lambda m: m.layers[0].weight, model, model.layers[0].weight * mask), x, y)
+
+    check(masked, MLP, X, Y, jit=jit, on_factors=False)
+    with pytest.raises(jt.TagError, match="multiplies a value computed from it"):
+        jt.per_example_norms(masked, fallback="error")(MLP, X, Y)
+
+    class LoRA(eqx.Module):
+        base: eqx.nn.Linear
+        a: jax.Array
+        b: jax.Array
+
+        def __call__(self, x):
+            w = jax.lax.stop_gradient(self.base.weight) + self.a @ self.b
+            return eqx.tree_at(lambda lin: lin.weight, self.base, w)(x)
+
+    lora = LoRA(eqx.nn.Linear(3, 2, key=KEYS[0]), 0.1 * jnp.ones((2, 1)), jax.random.normal(KEYS[1], (1, 3)))
+    check(mse, lora, X, Y, jit=jit, on_factors=False)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_layers_stacked_in_scan_are_one_slice_per_step(jit):
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(jax.random.split(KEYS[2], 3))
+
+    class Stack(eqx.Module):
+        layers: eqx.nn.Linear
+        out: eqx.nn.Linear
+
+        def __call__(self, x):
+            dynamic, static = eqx.partition(self.layers, eqx.is_array)
+            h, _ = jax.lax.scan(lambda h, d: (jnp.tanh(eqx.combine(d, static)(h)), None), x, dynamic)
+            return self.out(h)
+
+    check(mse, Stack(stack, eqx.nn.Linear(D, 2, key=KEYS[3])), jax.random.normal(KEYS[4], (B, D)), Y, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_layouts_need_no_guess(jit):
+    check(lambda m, x: mse(m, x, Y), MLP, X, jit=jit)  # targets in a closure
+    check(lambda m, x, y, w=None: w * mse(m, x, y), MLP, X, Y, w=jnp.arange(1.0, B + 1), jit=jit)  # a keyword
+
+    class Mixer(eqx.Module):  # a (T, T) mask with T == B: not the example axis
+        lin: eqx.nn.Linear
+
+        def __call__(self, x, mask):
+            return jnp.sum(mask @ jax.vmap(self.lin)(x), axis=0)
+
+    mask = jnp.tril(jnp.ones((B, B)))
+    xs = jax.random.normal(KEYS[2], (B, B, 3))
+    fn = lambda m, x, mask, y: jnp.sum((jax.vmap(m, in_axes=(0, None))(x, mask) - y) ** 2, axis=-1)  # noqa: E731
+    check(fn, Mixer(eqx.nn.Linear(3, 2, key=KEYS[1])), xs, mask, Y, jit=jit)
+    check(lambda m, xt, y: mse(m, xt.T, y), MLP, X.T, Y, jit=jit)  # feature-major x
+
+
+@pytest.mark.parametrize(
+    "losses_fn",
+    [
+        pytest.param(lambda m, x, y: centred(jax.vmap(m)(x)), id="batch-mean centring"),
+        pytest.param(lambda m, x, y: contrastive(jax.vmap(m)(x)), id="in-batch contrastive"),
+        pytest.param(lambda m, x, y: batch_sum(jax.vmap(m)(x)), id="a batch sum"),
+    ],
+)
+def test_interacting_examples_are_refused(losses_fn):
+    """Opacus refuses BatchNorm: per-example clipping bounds nothing when examples interact."""
+    with pytest.raises(jt.TagError, match="losses\\[i\\] depends on example j != i through"):
+        jt.per_example_norms(losses_fn)(MLP, X, Y)
+    with pytest.raises(jt.TagError, match="need independent examples"):
+        jt.clipped_grad(losses_fn, 1.0)(MLP, X, Y)
+
+
+def centred(out):
+    return jnp.sum((out - jnp.mean(out, axis=0)) ** 2, axis=-1)
+
+
+def batch_sum(out):
+    return jnp.sum(out * jnp.sum(out), axis=-1)
+
+
+def contrastive(z):
+    logits = z @ z.T
+    return jax.nn.logsumexp(logits, axis=1) - jnp.diagonal(logits)
+
+
+def test_interaction_through_a_second_call_is_exact():
+    """The batch mean of a second call of the model: its layers' outputs reach every example, so their
+    leaves take the exact path (the definition's numbers); not refused, since no value is both one
+    example's and every example's."""
+    check(lambda m, x, y: jnp.sum(jax.vmap(m)(x) - jnp.mean(jax.vmap(m)(x), axis=0), axis=-1), MLP, X, Y, jit=False, on_factors=False)
+
+
+def test_batch_norm_in_training_mode_is_refused():
+    class Net(eqx.Module):
+        first: eqx.nn.Linear
+        norm: eqx.nn.BatchNorm
+        last: eqx.nn.Linear
+
+    model = Net(eqx.nn.Linear(3, 5, key=KEYS[0]), eqx.nn.BatchNorm(5, axis_name="batch"), eqx.nn.Linear(5, 1, key=KEYS[1]))
+    state = eqx.nn.State(model)
+
+    def losses(m, x):
+        def one(x, state):
+            h, state = m.norm(m.first(x), state)
+            return m.last(h)[0], state
+
+        out, _ = jax.vmap(one, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+        return out**2
+
+    with pytest.raises(jt.TagError, match="independent examples"):
+        jt.per_example_norms(losses)(model, X)
+
+
+def test_data_mixed_before_any_weight_is_not_refused():
+    """Centring the inputs mixes data, not parameters: each example's gradient is still its layers' factors."""
+    check(lambda m, x, y: mse(m, x - jnp.mean(x, axis=0), y), MLP, X, Y, jit=False)
+
+
+def test_has_aux():
+    def losses(m, x, y):
+        per = mse(m, x, y)
+        return per, {"mean": jnp.mean(per)}
+
+    (value, aux), sq = jt.per_example_norms(losses, has_aux=True, total=True)(MLP, X, Y)
+    ref, _ = definition(lambda m, x, y: losses(m, x, y)[0], MLP, X, Y)
+    np.testing.assert_allclose(sq, sum(jax.tree_util.tree_leaves(ref)), rtol=1e-10)
+    np.testing.assert_allclose(aux["mean"], jnp.mean(value), rtol=1e-12)
+    (value2, aux2), grads = jt.clipped_grad(losses, 1.0, has_aux=True)(MLP, X, Y)
+    np.testing.assert_allclose(value2, value)
