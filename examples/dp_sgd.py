@@ -8,7 +8,12 @@ norm ``C`` and adds Gaussian noise of standard deviation ``sigma * C`` to their 
 ``jaxtrace.clipped_grad`` gives that clipped sum without forming a gradient per example:
 one forward pass and one backward pass give each layer's input and output gradient, and
 from them the per-example norms and the clipped sum (each example's part of the ordinary
-weight gradient scaled by its clipping factor). ``--out`` is accepted
+weight gradient scaled by its clipping factor). What makes that exact is proven from the
+traced program, not assumed: each layer's output positions reach one example's loss, and
+each layer multiplies the parameter itself; a loss where examples interact (a batch mean of
+activations, BatchNorm in training mode, an in-batch contrastive term) is refused with a
+``jt.TagError`` naming the operation and its line, since per-example clipping bounds nothing
+there. ``--out`` is accepted
 for symmetry with the other examples; nothing is written. The loss goes down, and the
 printed fraction of clipped examples shows the clipping at work.
 """

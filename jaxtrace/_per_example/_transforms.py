@@ -15,24 +15,36 @@ def per_example_norms(
 ) -> Callable:
     """Each example's squared parameter-gradient norm, per leaf, without a per-example gradient.
 
-    ``fun(model, *batch)`` returns one loss per example, shape ``(B,)``; ``model`` (the
-    argument at ``argnums``) is an equinox or Flax NNX model, untagged. The returned
-    function gives ``(losses, sq_norms)``: ``sq_norms`` has the structure of the model's
-    gradients (what ``eqx.filter_grad`` gives, for NNX what ``nnx.grad`` gives), each leaf
-    of shape ``(B,)``: ``|d losses[i] / d leaf|**2``. With ``total=True`` it gives
-    ``(losses, total_sq_norms)`` instead, summed over the leaves (the squared norm of each
-    example's whole gradient).
-
     One pass (one forward, one backward of ``sum(losses)``) gives every covered layer's
     input and output gradient, and from them its parameters' per-example norms: Linear with
-    any leading axes (per leaf, the Gram "ghost norm" form or the per-example gradient of
-    that layer, whichever is smaller), Embedding, LayerNorm/RMSNorm scale and bias, and
-    Conv (patches). Tied weights and a layer called several times are one gradient per
-    example (their uses are summed, with the cross terms). Other leaves: with
-    ``fallback="vmap"`` they are computed with ``jax.vmap(jax.grad)`` for those leaves
-    alone, splitting every argument array whose first axis has length ``B`` into examples
-    (keyword arguments and other arguments are passed to every example as they are);
-    ``fallback="error"`` raises ``jt.TagError`` naming them and their modules.
+    any leading axes (the Gram "ghost norm" form or the per-example gradient of that layer,
+    whichever is smaller), Embedding, LayerNorm/RMSNorm scale and bias, and Conv. The
+    conditions that make this exact are proven from the traced program (each layer output
+    position reaches one example's loss; the layer multiplies the leaf itself, or one scan
+    step's slice of it), never guessed from shapes; tied weights and repeated calls are one
+    gradient per example with their cross terms. Every other leaf takes the exact path: the
+    definition, the pullback of the losses vector against each example's basis vector, for
+    those leaves only. Examples that interact (a batch mean of activations, BatchNorm in
+    training mode, an in-batch contrastive loss) are refused.
+
+    Args:
+        fun: ``fun(model, *batch, **kwargs)`` returns one loss per example, shape ``(B,)``
+            (with ``has_aux``, ``(losses, aux)``).
+        argnums: the position of the model, an equinox or Flax NNX module, untagged.
+        fallback: ``"vmap"`` (the exact path for the leaves no factors cover) or ``"error"``
+            (a ``jt.TagError`` naming them, their modules and why).
+        total: give the squared norm of each example's whole gradient, summed over leaves.
+        has_aux: ``fun`` returns ``(losses, aux)``.
+
+    Returns:
+        A function of ``fun``'s arguments giving ``(losses, sq_norms)`` (with ``has_aux``,
+        ``((losses, aux), sq_norms)``): ``sq_norms`` has the structure of the model's
+        gradients (``eqx.filter_grad``'s, for NNX ``nnx.grad``'s), each leaf ``(B,)``,
+        ``|d losses[i] / d leaf|**2``; with ``total=True`` one ``(B,)`` array.
+
+    Raises:
+        TagError: where examples interact, or ``fallback="error"`` and a leaf is not on factors.
+        ValueError: if ``fun`` does not return a vector of losses.
 
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
@@ -60,18 +72,28 @@ def per_example_norms(
 def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "vmap", has_aux: bool = False) -> Callable:
     """The clipped sum of DP-SGD: ``sum_i min(1, max_norm / |g_i|) g_i``, without per-example gradients.
 
-    ``fun(model, *batch)`` returns one loss per example, shape ``(B,)``; ``g_i`` is the
-    gradient of ``losses[i]`` for all of the model's differentiated leaves together. The
-    returned function gives ``(losses, grads)``, ``grads`` structured as ``eqx.filter_grad``
-    gives them (for an NNX model, as ``nnx.grad`` does). The norms come from
-    ``per_example_norms`` (one forward and one backward pass); the clipped sum, with
-    ``w_i = min(1, max_norm / |g_i|)``, comes from the same pass: for a covered layer it
-    is its parameter gradient with each example's factors scaled by ``w_i`` (one
-    contraction, the size of the ordinary gradient; no second backward pass), for a
-    fallback leaf ``sum_i w_i`` of its ``vmap(grad)`` gradients. ``max_norm`` may be a
-    traced value under ``jax.jit``; the result is differentiable in everything
-    (``jax.grad`` around it works as around the ``vmap(grad)`` formula). ``fallback`` is
-    as for ``per_example_norms``.
+    ``g_i`` is the gradient of ``losses[i]`` for all of the model's differentiated leaves
+    together. The norms come from ``per_example_norms``' pass; the clipped sum from the same
+    pass: for a covered layer its parameter gradient with each example's factors scaled by
+    ``w_i = min(1, max_norm / |g_i|)`` (one contraction, the size of the ordinary gradient;
+    no second backward pass), for an exact-path leaf ``sum_i w_i`` of its per-example
+    gradients. The result is differentiable in everything (``jax.grad`` around it works).
+
+    Args:
+        fun: ``fun(model, *batch, **kwargs)`` returns one loss per example, shape ``(B,)``
+            (with ``has_aux``, ``(losses, aux)``).
+        max_norm: the clipping bound; may be traced under ``jax.jit``.
+        argnums: the position of the model, an equinox or Flax NNX module, untagged.
+        fallback: as for ``per_example_norms``.
+        has_aux: ``fun`` returns ``(losses, aux)``.
+
+    Returns:
+        A function of ``fun``'s arguments giving ``(losses, grads)`` (with ``has_aux``,
+        ``((losses, aux), grads)``), ``grads`` structured as ``eqx.filter_grad`` gives them
+        (for an NNX model, as ``nnx.grad`` does).
+
+    Raises:
+        TagError: as ``per_example_norms``.
 
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
