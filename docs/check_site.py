@@ -304,8 +304,9 @@ LAYOUT_JS = r"""
         Math.min(t.right, nr.right, box.right) - Math.max(t.left, nr.left, box.left) > 0.5 &&
         Math.min(t.bottom, nr.bottom) - Math.max(t.top, nr.top) > 0.5);
       if (hit) {
-        const line = code.innerText.split("\n").find((l) => l.includes(node.textContent.trim())) || "";
-        out.covered.push(`${JSON.stringify(node.textContent.trim().slice(0, 30))} in the line `
+        const word = node.textContent.trim().split("\n")[0];
+        const line = code.innerText.split("\n").find((l) => l.includes(word)) || "";
+        out.covered.push(`${JSON.stringify(word.slice(0, 30))} in the line `
                          + `${JSON.stringify(line.slice(0, 70))}`);
         break;
       }
