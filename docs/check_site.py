@@ -254,7 +254,7 @@ LAYOUT_JS = r"""
   const name = (e) => e.tagName.toLowerCase() + (e.className && typeof e.className === "string"
     ? "." + e.className.trim().split(/\s+/).join(".") : "");
   const text = (e) => (e.innerText || e.getAttribute("src") || "").replace(/\s+/g, " ").trim().slice(0, 70);
-  const out = {cut: [], scrolls: new Set(), code: 0, codeScroll: 0, wrapped: [], covered: [], noButton: 0,
+  const out = {cut: [], scrolls: new Set(), code: 0, codeScroll: 0, wrappedLines: 0, wrapped: [], covered: [], noButton: 0,
                tables: 0, tablesScroll: 0, pictures: 0, unlinked: [], small: []};
   if (!article) return {...out, scrolls: 0};
   // 1. Nothing cut off: an element that sticks out (sideways) of the nearest box that clips it
@@ -289,9 +289,34 @@ LAYOUT_JS = r"""
     const s = cs(code);
     const wraps = !["pre", "nowrap"].includes(s.whiteSpace) && !s.whiteSpace.startsWith("pre ")
                   && s.textWrapMode !== "nowrap";
-    const hanging = /hanging/.test(s.textIndent) && /each-line/.test(s.textIndent) && parseFloat(s.textIndent) > 0;
-    if (wraps && (vw < 720 || !hanging))
-      out.wrapped.push(`white-space ${s.whiteSpace}, text-indent ${s.textIndent}: ${JSON.stringify(text(code).slice(0, 50))}`);
+    if (wraps && vw < 720)
+      out.wrapped.push(`a line wraps on a phone (white-space ${s.whiteSpace}; it should scroll): ${JSON.stringify(text(code).slice(0, 50))}`);
+    else if (wraps) {  // each wrapped line goes on to the right of its own first character
+      const lines = code.querySelectorAll(":scope > .jt-l");
+      if (!lines.length)
+        out.wrapped.push(`lines wrap with no per-line box to indent them (docs/site_hooks.py): ${JSON.stringify(text(code).slice(0, 50))}`);
+      const lineHeight = parseFloat(s.lineHeight);
+      for (const line of lines) {
+        if (line.getBoundingClientRect().height < 1.5 * lineHeight) continue;
+        out.wrappedLines += 1;
+        const rects = [];
+        let first = null;
+        const walker = document.createTreeWalker(line, NodeFilter.SHOW_TEXT);
+        const range = document.createRange();
+        for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+          const at = node.textContent.search(/\S/);
+          if (at < 0) continue;
+          if (!first) { range.setStart(node, at); range.setEnd(node, at + 1); first = range.getBoundingClientRect(); }
+          range.selectNodeContents(node);
+          rects.push(...range.getClientRects());
+        }
+        const later = rects.filter((r) => r.width > 0 && r.top > first.top + lineHeight / 2);
+        const left = Math.min(...later.map((r) => r.left));
+        if (later.length && left <= first.left + 1)
+          out.wrapped.push(`a wrapped line goes on at ${Math.round(left - first.left)} px from its first character, `
+                           + `not indented past it: ${JSON.stringify(text(line).slice(0, 60))}`);
+      }
+    }
     const nav = code.parentElement.querySelector(".md-code__nav");
     if (!nav) { out.noButton += 1; continue; }
     const nr = nav.getBoundingClientRect();
@@ -347,7 +372,7 @@ def check_layout(browser, base: str, pages: list[str], failures: list[str], scre
     """What docs/stylesheets/extra.css promises, on every page at a desktop and a phone width."""
     for width in WIDTHS:
         page = browser.new_page(viewport={"width": width, "height": 900})
-        totals = dict.fromkeys(["pages", "code", "codeScroll", "tables", "tablesScroll", "pictures", "scrolls"], 0)
+        totals = dict.fromkeys(["pages", "code", "codeScroll", "wrappedLines", "tables", "tablesScroll", "pictures", "scrolls"], 0)
         for path in pages:
             page.goto(base + path, wait_until="load")
             try:  # material's script adds the copy buttons once the page has loaded
@@ -363,8 +388,7 @@ def check_layout(browser, base: str, pages: list[str], failures: list[str], scre
             for item in found["cut"]:
                 failures.append(f"{where}: cut off (sticks out of a box that does not scroll): {item}")
             for item in found["wrapped"]:
-                kind = "a code line wraps on a phone (it should scroll)" if width < 720 else "a wrapped code line restarts at column 0"
-                failures.append(f"{where}: {kind}: {item}")
+                failures.append(f"{where}: code indentation: {item}")
             for item in found["covered"]:
                 failures.append(f"{where}: the copy button covers code text {item}")
             if found["noButton"]:
@@ -382,7 +406,7 @@ def check_layout(browser, base: str, pages: list[str], failures: list[str], scre
                 page.screenshot(path=str(screenshots / f"{name}-{width}px.png"), full_page=True)
         print(
             f"browser layout at {width:4} px: {totals['pages']} pages; {totals['code']} code blocks "
-            f"({totals['codeScroll']} scroll sideways), {totals['tables']} tables ({totals['tablesScroll']} scroll "
+            f"({totals['codeScroll']} scroll sideways, {totals['wrappedLines']} lines wrap), {totals['tables']} tables ({totals['tablesScroll']} scroll "
             f"sideways), {totals['pictures']} pictures, {totals['scrolls']} boxes scroll; checked: nothing cut off, "
             f"code indentation kept, copy buttons clear of code, pictures linked"
             + (f" and drawn at {MIN_PICTURE_SCALE:.0%}+" if width < 720 else "")

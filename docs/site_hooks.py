@@ -1,6 +1,12 @@
-"""An mkdocs hook (mkdocs.yml ``hooks:``): every picture on a page opens at full size when tapped.
+"""mkdocs hooks (mkdocs.yml ``hooks:``): the page's HTML, made for a phone and a desktop.
 
-Each ``<img>`` that is not already in a link is wrapped in a link to its own file. A picture
+Code lines: each line of a code block becomes ``<span class="jt-l" style="--jt-i: N">``, N
+the line's indentation in characters, so that docs/stylesheets/extra.css can wrap a long
+line on a desktop with its continuation indented past the line's own start (a hanging
+indent per line); on a phone the spans stay inline and lines scroll. The text of the block
+(what the copy button copies, what search indexes) is unchanged.
+
+Pictures: each ``<img>`` that is not already in a link is wrapped in a link to its own file. A picture
 that stands alone in its paragraph (``![alt](images/x.png)`` on a line of its own) gets the
 class ``jt-picture``, its pixel size as ``width``/``height`` (no layout jump while it loads)
 and that width as ``--jt-width``: on a phone, docs/stylesheets/extra.css draws it no smaller
@@ -66,6 +72,47 @@ def _normalize(uri: str) -> str:
     return "/".join(parts)
 
 
+_CODE = re.compile(r"(<pre\b[^>]*>(?:<span></span>)?<code\b[^>]*>)(.*?)(</code></pre>)", re.S)
+_PIECE = re.compile(r"(<[^>]+>)")
+
+
+def _code_lines(inner: str) -> str:
+    """The highlighted HTML of a code block, each line in a span of its own (a token span that
+    runs over a line end, as a docstring's does, is closed at the end of the line and opened
+    again on the next)."""
+    lines: list[list[str]] = [[]]
+    texts: list[list[str]] = [[]]
+    stack: list[str] = []  # the open token tags
+    for piece in _PIECE.split(inner):
+        if not piece:
+            continue
+        if piece.startswith("<"):
+            if piece.startswith("</"):
+                stack.pop()
+            elif not piece.endswith("/>"):
+                stack.append(piece)
+            lines[-1].append(piece)
+            continue
+        parts = piece.split("\n")
+        for i, part in enumerate(parts):
+            if i:  # a line ends: close the open tokens, and open them again on the next line
+                lines[-1].append("</span>" * len(stack) + "\n")
+                lines.append(list(stack))
+                texts.append([])
+            lines[-1].append(part)
+            texts[-1].append(part)
+    if len(lines) > 1 and not stack and not "".join(texts[-1]):
+        lines.pop()  # after the block's last line end: no text, only tags opened again and closed
+        texts.pop()
+    out = []
+    for line, text in zip(lines, texts):
+        plain = html.unescape("".join(text))
+        indent = len(plain) - len(plain.lstrip(" "))
+        style = f' style="--jt-i: {indent}"' if indent else ""
+        out.append(f'<span class="jt-l"{style}>' + "".join(line) + "</span>")
+    return "".join(out)
+
+
 def on_page_content(html_text: str, page, config, files) -> str:
     alone = {m.group(1) for m in _ALONE.finditer(html_text)}
 
@@ -75,4 +122,5 @@ def on_page_content(html_text: str, page, config, files) -> str:
         img = match.group(2)
         return _link(img, page, files, img in alone)
 
-    return _IMG.sub(replace, html_text)
+    html_text = _IMG.sub(replace, html_text)
+    return _CODE.sub(lambda m: m.group(1) + _code_lines(m.group(2)) + m.group(3), html_text)
