@@ -17,13 +17,14 @@ getting started, concepts, the loss-paths guide), the API reference and the gall
   browser download): each page renders its headings, every picture has loaded (non-zero
   natural size), and typing a public name in the search box lists its API entry first;
 - on every page of the site, at a desktop width (1280 px) and a phone width (390 px), what
-  docs/stylesheets/extra.css promises: nothing is cut off (no element of the page sticks out
-  of the screen, or out of a box that clips it, unless that box scrolls sideways: a wide
-  table or a long code line scrolls inside its own box); code lines keep their indentation (on
-  the phone they never wrap, the block scrolls; on the desktop a wrapped line's continuation
-  is indented, and no code block on the first pages is wider than its box); the copy button
-  covers no code text; every picture is a link to its own full-size file, and on the phone a
-  picture is drawn at 80% of its pixel width or more (a heatmap's numbers stay readable).
+  docs/stylesheets/extra.css and docs/site_hooks.py promise: nothing is cut off (no element
+  sticks out of the screen, or out of a box that clips it, unless that box scrolls sideways:
+  a wide table or a long code line scrolls inside its own box); code keeps its indentation
+  (on the phone lines never wrap, the block scrolls; on the desktop each wrapped line goes on
+  to the right of its own first character, and no code block on the first pages is wider
+  than its box); the copy button covers no code text and copies the text as written; every
+  picture is a link to its own full-size file, and on the phone a picture is drawn at 80% of
+  its pixel width or more (a heatmap's numbers stay readable).
 
 Without playwright or a Chromium binary the browser checks are skipped with a message (an
 error with ``--require-browser``). Exits non-zero on any failure.
@@ -254,7 +255,7 @@ LAYOUT_JS = r"""
   const name = (e) => e.tagName.toLowerCase() + (e.className && typeof e.className === "string"
     ? "." + e.className.trim().split(/\s+/).join(".") : "");
   const text = (e) => (e.innerText || e.getAttribute("src") || "").replace(/\s+/g, " ").trim().slice(0, 70);
-  const out = {cut: [], scrolls: new Set(), code: 0, codeScroll: 0, wrappedLines: 0, wrapped: [], covered: [], noButton: 0,
+  const out = {cut: [], scrolls: new Set(), code: 0, codeScroll: 0, wrappedLines: 0, wrapped: [], copied: [], covered: [], noButton: 0,
                tables: 0, tablesScroll: 0, pictures: 0, unlinked: [], small: []};
   if (!article) return {...out, scrolls: 0};
   // 1. Nothing cut off: an element that sticks out (sideways) of the nearest box that clips it
@@ -317,6 +318,10 @@ LAYOUT_JS = r"""
                            + `not indented past it: ${JSON.stringify(text(line).slice(0, 60))}`);
       }
     }
+    // what the copy button copies (material: the code's innerText) is the block's text as written
+    if (code.innerText.trimEnd() !== code.textContent.trimEnd())
+      out.copied.push(`${code.innerText.length} characters copied, ${code.textContent.length} written: `
+                      + JSON.stringify(text(code).slice(0, 50)));
     const nav = code.parentElement.querySelector(".md-code__nav");
     if (!nav) { out.noButton += 1; continue; }
     const nr = nav.getBoundingClientRect();
@@ -370,6 +375,7 @@ def site_pages(site: pathlib.Path) -> list[str]:
 
 def check_layout(browser, base: str, pages: list[str], failures: list[str], screenshots: pathlib.Path | None) -> None:
     """What docs/stylesheets/extra.css promises, on every page at a desktop and a phone width."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     for width in WIDTHS:
         page = browser.new_page(viewport={"width": width, "height": 900})
         totals = dict.fromkeys(["pages", "code", "codeScroll", "wrappedLines", "tables", "tablesScroll", "pictures", "scrolls"], 0)
@@ -381,7 +387,7 @@ def check_layout(browser, base: str, pages: list[str], failures: list[str], scre
                     "c => c.parentElement.querySelector('.md-code__nav'))",
                     timeout=5_000,
                 )
-            except Exception:  # playwright's TimeoutError: the count below says which blocks have none
+            except PlaywrightTimeout:  # the count below says how many blocks have none
                 pass
             found = page.evaluate(LAYOUT_JS, MIN_PICTURE_SCALE)
             where = f"browser /{path} at {width} px"
@@ -389,6 +395,8 @@ def check_layout(browser, base: str, pages: list[str], failures: list[str], scre
                 failures.append(f"{where}: cut off (sticks out of a box that does not scroll): {item}")
             for item in found["wrapped"]:
                 failures.append(f"{where}: code indentation: {item}")
+            for item in found["copied"]:
+                failures.append(f"{where}: the copy button would copy other text than the block shows: {item}")
             for item in found["covered"]:
                 failures.append(f"{where}: the copy button covers code text {item}")
             if found["noButton"]:
@@ -408,7 +416,7 @@ def check_layout(browser, base: str, pages: list[str], failures: list[str], scre
             f"browser layout at {width:4} px: {totals['pages']} pages; {totals['code']} code blocks "
             f"({totals['codeScroll']} scroll sideways, {totals['wrappedLines']} lines wrap), {totals['tables']} tables ({totals['tablesScroll']} scroll "
             f"sideways), {totals['pictures']} pictures, {totals['scrolls']} boxes scroll; checked: nothing cut off, "
-            f"code indentation kept, copy buttons clear of code, pictures linked"
+            f"code indentation kept, copy buttons clear of code and copying the text as written, pictures linked"
             + (f" and drawn at {MIN_PICTURE_SCALE:.0%}+" if width < 720 else "")
         )
         page.close()

@@ -72,7 +72,7 @@ def _normalize(uri: str) -> str:
     return "/".join(parts)
 
 
-_CODE = re.compile(r"(<pre\b[^>]*>(?:<span></span>)?<code\b[^>]*>)(.*?)(</code></pre>)", re.S)
+_CODE = re.compile(r"(<pre\b[^>]*>(?:<span></span>)?<code\b[^>]*>)(.*?)(</code></pre>)", re.DOTALL)
 _PIECE = re.compile(r"(<[^>]+>)")
 
 
