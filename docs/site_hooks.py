@@ -6,8 +6,8 @@ line on a desktop with its continuation indented past the line's own start (a ha
 indent per line); on a phone the spans stay inline and lines scroll. The text of the block
 (what the copy button copies, what search indexes) is unchanged.
 
-Pictures: each ``<img>`` that is not already in a link is wrapped in a link to its own file. A picture
-that stands alone in its paragraph (``![alt](images/x.png)`` on a line of its own) gets the
+Pictures: each ``<img>`` that is not already in a link is wrapped in a link to its own file.
+A picture that stands alone in its paragraph (``![alt](images/x.png)`` on a line of its own) gets the
 class ``jt-picture``, its pixel size as ``width``/``height`` (no layout jump while it loads)
 and that width as ``--jt-width``: on a phone, docs/stylesheets/extra.css draws it no smaller
 than 80% of that size, in a box that scrolls sideways, so the numbers in a heatmap stay
