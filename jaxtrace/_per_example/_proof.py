@@ -598,7 +598,7 @@ def _gather(an, eqn, outs, ctx):
     if idim in ibd:
         return [_unit(operand, int(obd[ibd.index(idim)]), inner), idx_state]
     info = an.iota.get((ctx, eqn.invars[1])) if not isinstance(eqn.invars[1], _compat.Literal) else None
-    if inner == 1 and info and info[0] == "components":
+    if inner == 1 and info and info[0] == "components" and info[1] == len(indices) - 1:
         for k, d in info[2].items():
             od = dn.start_index_map[k]
             if d == idim and od in collapsed and operand[od] == an.batch:
