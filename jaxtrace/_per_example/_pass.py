@@ -57,7 +57,7 @@ class Call:
         paths = {layer.path for layer in plan.layers}
 
         def flat(leaves):
-            out, self._out_tree = jax.tree_util.tree_flatten(self._call_with(leaves))
+            out, self._out_tree = jax.tree_util.tree_flatten(self._traced(leaves))
             return out
 
         self.jaxpr, self.consts = _compat.jaxpr_and_consts(jax.make_jaxpr(flat)(list(plan.leaves)))
@@ -80,16 +80,21 @@ class Call:
         for k, use in enumerate(self.proof.shared):
             self.shared_names.setdefault(use.path, []).append((f"{use.path}{_SHARED}{k}", use))
         names |= {n for uses in self.shared_names.values() for n, _ in uses}
-        run = self._run_program if self.proof.shared else self._call_with
-        out = _vjp(run, plan.leaves, with_values=True, has_aux=has_aux, tags=lambda n: n in names)
-        if has_aux:
-            self.losses, self.pullback, self.aux, self.values = out
-        else:
-            (self.losses, self.pullback, self.values), self.aux = out, None
+        run = self._run_program if self.proof.shared else self._traced
+        self.losses, self.pullback, (self.aux, self.state), self.values = _vjp(
+            lambda leaves: _losses_first(run(leaves), has_aux), plan.leaves, with_values=True, has_aux=True,
+            tags=lambda n: n in names,
+        )
 
-    def _call_with(self, leaves, model_fn=None):
+    def _traced(self, leaves):
+        """``(fun's output, the state the model changed)``, the model rebuilt from ``leaves``."""
         args = list(self.args)
-        args[self.argnums] = (model_fn or self.plan.run_model)(leaves)
+        args[self.argnums] = model = self.plan.run_model(leaves)
+        return self.fun(*args, **self.kwargs), self.plan.state_of(model)
+
+    def _call_with(self, leaves, model_fn):
+        args = list(self.args)
+        args[self.argnums] = model_fn(leaves)
         return self.fun(*args, **self.kwargs)
 
     def _run_program(self, leaves):
@@ -310,6 +315,12 @@ class Call:
         losses, pullback = jax.vjp(losses_of, [fixed[i] for i in missing])
         (rows,) = jax.vmap(pullback)(jnp.eye(self.batch, dtype=losses.dtype))
         return rows
+
+
+def _losses_first(out, has_aux):
+    """``(losses, (aux, state))`` from ``(fun's output, state)``."""
+    value, state = out
+    return (value[0], (value[1], state)) if has_aux else (value, (None, state))
 
 
 def _step_module(module, steps: int):

@@ -36,6 +36,8 @@ class Plan:
     names: list  # leaf index -> "path" (for errors)
     owners: list  # leaf index -> (module path, class name)
     blocked: set  # leaf indices that no rule may claim (an eqx.nn.Shared we could not resolve)
+    state_of: Callable = lambda model: ()  # the model after a call -> the state it changed (NNX: RNG counts, statistics)
+    write_back: Callable = lambda state: None  # that state -> written into the user's model, as nnx.grad does
 
 
 class _Tok:
@@ -230,13 +232,17 @@ def _nnx_plan(model) -> Plan:
 
     return Plan(
         leaves=[flat[i][1] for i in diff_pos],
-        run_model=lambda ls: nnx.merge(graphdef, full(ls), rest),
-        plain_model=lambda ls: nnx.merge(plain_graphdef, full(ls), plain_rest),
+        # The non-parameter state enters each trace as fresh Variables (tree_map rebuilds them), so
+        # that a module may update it there (nnx.Dropout's RNG count); state_of reads it back.
+        run_model=lambda ls: nnx.merge(graphdef, full(ls), jax.tree_util.tree_map(lambda x: x, rest)),
+        plain_model=lambda ls: nnx.merge(plain_graphdef, full(ls), jax.tree_util.tree_map(lambda x: x, plain_rest)),
         out=out,
         layers=layers,
         names=[".".join(map(str, state_path(flat[i][0]))) for i in diff_pos],
         owners=owners,
         blocked=set(),
+        state_of=lambda m: nnx.split(m, nnx.Param, ...)[2],
+        write_back=lambda state: nnx.update(model, state),
     )
 
 
