@@ -325,8 +325,10 @@ def _stack_units(sites: Sequence[Site], units: list, depth: int) -> tuple[Site, 
         problem = next((s.problem for s in firsts if s.problem), None)
     slots: list = [None] * len(units)
     count = 0
+    stackable = len({s.stackable() for s in firsts}) == 1  # else the calls have no common layout (an error)
     for site, within in parts:
-        perm = site.relayout(first)  # a call whose vmap axis sits elsewhere: moved to the first's place
+        # a call whose vmap axis sits elsewhere: moved to the first's place
+        perm = site.relayout(first) if stackable else None
         for u, slot in within.items():
             slots[u] = _offset(slot, count, site, perm)
         count += site.units()
