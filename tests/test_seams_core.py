@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import assert_trees_close
+from jax import lax
 
 import jaxtrace as jt
 
@@ -52,3 +53,64 @@ def test_a_tag_called_under_vmap_and_unbatched_does_not_stop_other_tags(maybe_ji
 
     _, tag_grads = maybe_jit(jt.grad(f, tags="other"))(XS)
     assert_trees_close(tag_grads["other"], jax.grad(f, argnums=1)(XS, jnp.zeros_like(XS)))
+
+
+# --- one tag in both branches of a cond, vmapped over a different axis in each -----------------
+
+
+def per_row(v, e=None):
+    h = v * 2.0
+    h = jt.tag(h, "h") if e is None else h + e
+    return jnp.sum(jnp.sin(h)) * v[0]
+
+
+def two_axes(x, p, e=None):
+    """Branch ``True`` vmaps over the rows of ``x`` (in_axes=0), branch ``False`` over the columns
+    of ``x.T`` (in_axes=1): the tag is ``(3,)`` per example in both, ``(4, 3)`` documented."""
+    if e is None:
+        rows = lambda x: jnp.sum(jax.vmap(per_row)(x) ** 2)  # noqa: E731
+        cols = lambda x: jnp.sum(jax.vmap(per_row, in_axes=1)(x.T) ** 2)  # noqa: E731
+        return lax.cond(p, rows, cols, x)
+    rows = lambda x, e: jnp.sum(jax.vmap(per_row)(x, e) ** 2)  # noqa: E731
+    cols = lambda x, e: jnp.sum(jax.vmap(per_row, in_axes=(1, 0))(x.T, e) ** 2)  # noqa: E731
+    return lax.cond(p, rows, cols, x, e)
+
+
+@pytest.mark.parametrize("p", [True, False])
+def test_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit, p):
+    p = jnp.asarray(p)
+    e0 = jnp.zeros((4, 3))
+    g, tag_grads, values = maybe_jit(jt.grad(two_axes, with_values=True))(XS, p)
+    assert tag_grads["h"].shape == (4, 3)
+    assert_trees_close(tag_grads["h"], jax.jit(jax.grad(two_axes, argnums=2))(XS, p, e0))
+    assert_trees_close(g, jax.jit(jax.grad(two_axes))(XS, p, e0))
+    assert_trees_close(values["h"], 2 * XS)
+    _, captured = maybe_jit(jt.capture(two_axes))(XS, p)
+    assert_trees_close(captured["h"], 2 * XS)
+    # A replacement goes back into each branch's own layout.
+    new = jnp.cos(XS)
+    patched = maybe_jit(jt.patch(two_axes, {"h": new}))(XS, p)
+    assert_trees_close(patched, jax.jit(two_axes)(XS, p, new - 2 * XS))
+    _, out_tangent, tangents = jt.jvp(lambda x: two_axes(x, p), (XS,), (jnp.ones_like(XS),))
+    assert_trees_close(tangents["h"], 2 * jnp.ones_like(XS))
+    oracle = jax.jit(lambda x, t: jax.jvp(lambda x: two_axes(x, p, e0), (x,), (t,))[1])
+    assert_trees_close(out_tangent, oracle(XS, jnp.ones_like(XS)))
+
+
+def test_vmapped_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit):
+    """The same under an outer jax.vmap with a per-example predicate (JAX batches the cond)."""
+
+    def one(x, e=None):
+        return two_axes(x, jnp.sum(x) > 0, e)
+
+    f = lambda xs: jnp.sum(jax.vmap(one)(xs) ** 2)  # noqa: E731
+    f_eps = lambda xs, e: jnp.sum(jax.vmap(one)(xs, e) ** 2)  # noqa: E731
+    xs = jnp.stack([XS + 1, XS - 1])  # one example per branch
+    g, tag_grads, values = maybe_jit(jt.grad(f, with_values=True))(xs)
+    e0 = jnp.zeros((2, 4, 3))
+    assert tag_grads["h"].shape == (2, 4, 3)
+    assert_trees_close(tag_grads["h"], jax.jit(jax.grad(f_eps, argnums=1))(xs, e0))
+    assert_trees_close(g, jax.jit(jax.grad(f_eps))(xs, e0))
+    assert_trees_close(values["h"], 2 * xs)  # both branches tag it: no example is masked
+    patched = maybe_jit(jt.patch(f, {"h": jnp.cos(xs)}))(xs)
+    assert_trees_close(patched, jax.jit(f_eps)(xs, jnp.cos(xs) - 2 * xs))
