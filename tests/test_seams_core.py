@@ -3,13 +3,17 @@ vmapped over a different axis in each branch of a cond, and literal constants in
 equations that are spliced as one cached call. Every number against the hand-written ``+ eps``
 program (float64), eager and under jit."""
 
+import types
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import assert_trees_close
 from jax import lax
 
 import jaxtrace as jt
+from jaxtrace import _compat, _splice
 
 XS = jnp.arange(12.0).reshape(4, 3) / 7 - 0.5
 
@@ -114,3 +118,75 @@ def test_vmapped_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit):
     assert_trees_close(values["h"], 2 * xs)  # both branches tag it: no example is masked
     patched = maybe_jit(jt.patch(f, {"h": jnp.cos(xs)}))(xs)
     assert_trees_close(patched, jax.jit(f_eps)(xs, jnp.cos(xs) - 2 * xs))
+
+
+# --- literal constants in spliced runs ----------------------------------------------------------
+
+
+def layers(w, x, c, e=None):
+    """Four layers; each has a literal ``c`` and a mean's division in runs of untagged equations."""
+    for i in range(4):
+        h = jnp.tanh(x @ w) * c
+        h = jt.tag(h, f"h{i}") if e is None else h + e[i]
+        x = h - jnp.mean(h) / 3.0
+    return jnp.sum(x**2)
+
+
+W = jax.random.normal(jax.random.PRNGKey(1), (3, 3)) / 2
+X = jnp.arange(3.0) - 0.5
+
+
+@pytest.mark.parametrize("c", [2.0, 3.0])
+def test_runs_with_literal_constants_are_spliced_and_cached(c):
+    _compat.spliced.cache_clear()
+    traces = []
+
+    def f(w, x):
+        traces.append(None)
+        return layers(w, x, c)
+
+    e0 = jnp.zeros((4, 3))
+    oracle = {f"h{i}": g for i, g in enumerate(jax.grad(layers, argnums=3)(W, X, c, e0))}
+    g, tag_grads = jt.grad(f)(W, X)
+    assert_trees_close(tag_grads, oracle)
+    assert_trees_close(g, jax.grad(layers)(W, X, c, e0))
+    first = _compat.spliced.cache_info()
+    # The layers' runs hold literals (c, the mean's count, 3.0) and are spliced: the repeated
+    # layers share their functions.
+    assert first.hits >= 6, first
+    jt.grad(f)(W, X)
+    second = _compat.spliced.cache_info()
+    assert second.misses == first.misses and second.hits > first.hits, (first, second)
+    # Under jax.jit the second call does not trace the function again.
+    jitted = jax.jit(jt.grad(f))
+    traces.clear()
+    assert_trees_close(jitted(W, X)[1], oracle)
+    assert_trees_close(jitted(W, X)[1], oracle)
+    assert len(traces) == 1
+
+
+def test_runs_that_differ_only_in_a_constant_do_not_share_a_splice(maybe_jit):
+    _compat.spliced.cache_clear()
+    e0 = jnp.zeros((4, 3))
+    for c in (2.0, 3.0, 2.0, -0.5):
+        _, tag_grads = maybe_jit(jt.grad(lambda w, x: layers(w, x, c)))(W, X)
+        oracle = jax.grad(layers, argnums=3)(W, X, c, e0)
+        assert_trees_close(tag_grads, {f"h{i}": g for i, g in enumerate(oracle)})
+
+
+def test_constants_are_keyed_by_their_bits():
+    def key(val, aval=None):
+        found = _splice.constant(types.SimpleNamespace(val=val, aval=aval))
+        assert found is not None
+        return found
+
+    assert key(2.0) == key(2.0) and hash(key(2.0)) == hash(key(2.0))
+    assert key(0.0) != key(-0.0)
+    assert key(2) != key(2.0) and key(True) != key(1)
+    assert key(np.float32(2.0)) != key(np.float64(2.0))
+    assert key(np.array([1.0, 2.0])) != key(np.array([[1.0, 2.0]]))
+    assert key(float("nan")) == key(float("nan"))  # the same bits: one function is right for both
+    assert key(np.array(2.0), "weak") != key(np.array(2.0), "strong")
+    # Too large to key cheaply, or not readable as bits: the run is left unspliced.
+    assert _splice.constant(types.SimpleNamespace(val=np.zeros(1000), aval=None)) is None
+    assert _splice.constant(types.SimpleNamespace(val=np.array([object()]), aval=None)) is None
