@@ -352,7 +352,13 @@ class Cond(Rule):
 
         def make_branch(branch):
             own = splitter.program.level(branch).sites
-            slots = {k: Slot(perm=own[k].relayout(active[k])) for k in active if k in own}
+            # Branches of another layout are an error when asked for; a rewrite of every tag
+            # (``_vmap_cond``) still passes them through as they are.
+            slots = {
+                k: Slot(perm=own[k].relayout(active[k]) if own[k].layout() == active[k].layout() else None)
+                for k in active
+                if k in own
+            }
 
             def run(ops, inputs):
                 inputs = {k: slots[k].take(v) for k, v in inputs.items() if k in own}

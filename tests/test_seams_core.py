@@ -120,6 +120,28 @@ def test_vmapped_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit):
     assert_trees_close(patched, jax.jit(f_eps)(xs, jnp.cos(xs) - 2 * xs))
 
 
+def test_a_vmapped_cond_around_branches_of_different_ranks(maybe_jit):
+    """A cond whose branches tag values of different ranks, in a branch of a vmapped cond: the
+    documented TagError when asked for, and the other tags as without it."""
+
+    def inner(x):
+        whole = lambda x: jnp.sum(jt.tag(x, "h"))  # noqa: E731
+        lifted = lambda x: jnp.sum(jt.tag(x[None], "h"))  # noqa: E731
+        return lax.cond(x[0] > 0.5, whole, lifted, x)
+
+    def one(x, e=None):
+        other = lambda x: jnp.sum(jt.tag(jnp.sin(x), "o") if e is None else jnp.sin(x) + e)  # noqa: E731
+        return lax.cond(jnp.sum(x) > 0, inner, other, x)
+
+    xs = jnp.arange(6.0).reshape(2, 3) - 2
+    f = lambda xs: jnp.sum(jax.vmap(one)(xs))  # noqa: E731
+    f_eps = lambda xs, e: jnp.sum(jax.vmap(one)(xs, e))  # noqa: E731
+    _, tag_grads = maybe_jit(jt.grad(f, tags="o"))(xs)
+    assert_trees_close(tag_grads["o"], jax.grad(f_eps, argnums=1)(xs, jnp.zeros_like(xs)))
+    with pytest.raises(jt.TagError, match="different shapes in the branches"):
+        maybe_jit(jt.grad(f))(xs)
+
+
 # --- literal constants in spliced runs ----------------------------------------------------------
 
 
