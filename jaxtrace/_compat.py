@@ -286,7 +286,8 @@ def spliced(steps: tuple, outputs: tuple):
     """A run of first-order equations as one function, inlined where it is called.
 
     ``steps`` are ``splice_step``'s, each ``refs`` entry ``(0, i)`` (the run's input ``i``),
-    ``(1, j, k)`` (output ``k`` of step ``j``) or ``(2, value)`` (a literal); ``outputs`` are
+    ``(1, j, k)`` (output ``k`` of step ``j``) or ``(2, constant)`` (a literal, bound as
+    ``constant.value``, hashed by value: ``_splice.Constant``); ``outputs`` are
     ``(j, k)``. Cached on the structure, so runs that repeat (the layers of a network) share
     one function: ``jax.vjp`` linearizes it once for them all (``_pjit_linearize`` caches on
     the traced jaxpr), instead of each of their equations one by one.
@@ -295,7 +296,7 @@ def spliced(steps: tuple, outputs: tuple):
     def run(*args):
         values: list = []
         for primitive, params, ctx, name_stack, refs in steps:
-            invals = [args[r[1]] if r[0] == 0 else values[r[1]][r[2]] if r[0] == 1 else r[1] for r in refs]
+            invals = [args[r[1]] if r[0] == 0 else values[r[1]][r[2]] if r[0] == 1 else r[1].value for r in refs]
             stack = _source_info_util.current_name_stack() + name_stack
             with _source_info_util.user_context(None, name_stack=stack), ctx.manager:
                 out = primitive.bind(*invals, **dict(params))

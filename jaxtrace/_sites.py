@@ -111,6 +111,10 @@ class Site:
         stack = self.stack[1:] if self.ncalls else self.stack
         return (stack, self.user_aval_shape(), self.dtype, len(self.batch_axes), self.tree)
 
+    def layout(self) -> tuple:
+        """What must agree between the branches of a cond: the value in the documented layout."""
+        return (self.stack, self.user_aval_shape(), self.dtype, len(self.batch_axes), self.tree)
+
     def _user_order(self) -> tuple:
         """The program's axes of ``aval`` in the documented order: vmap axes, then the others."""
         return (*self.batch_axes, *(i for i in range(len(self.aval.shape)) if i not in self.batch_axes))
@@ -291,17 +295,21 @@ def _stack_units(sites: Sequence[Site], units: list, depth: int) -> tuple[Site, 
         branches: dict = {}
         for u in us:
             branches.setdefault(_choice(sites[units[u][0]], depth)[1], []).append(u)
-        alternatives, within = [], {}
+        alternatives, members = [], []
         for bus in branches.values():
             site, bslots = _stack_units(sites, [units[u] for u in bus], depth + 1)
             alternatives.append(site)
-            within.update(zip(bus, bslots))
+            members.append(dict(zip(bus, bslots)))
         if len(alternatives) == 1:  # one branch here: the site stays that branch's (for a level above)
-            parts.append((alternatives[0], within))
+            parts.append((alternatives[0], members[0]))
             continue
         merged = merge_branches(alternatives, "a jax.vmap of a lax.cond")
+        within = {}
+        for site, bslots in zip(alternatives, members):  # each branch's vmap axes moved to the merged site's place
+            perm = site.relayout(merged) if len({a.layout() for a in alternatives}) == 1 else None
+            within.update({u: dataclasses.replace(s, perm=_compose(s.perm, perm)) for u, s in bslots.items()})
         if merged.ncalls:  # a branch whose calls were stacked below: one spliced call is all of them
-            within = {u: Slot(0, merged.ncalls, True) if s.start is None else s for u, s in within.items()}
+            within = {u: Slot(0, merged.ncalls, True, perm=s.perm) if s.start is None else s for u, s in within.items()}
         parts.append((dataclasses.replace(merged, choice=merged.choice[:depth] or None), within))
     if len(parts) == 1:
         site, within = parts[0]
@@ -325,8 +333,10 @@ def _stack_units(sites: Sequence[Site], units: list, depth: int) -> tuple[Site, 
         problem = next((s.problem for s in firsts if s.problem), None)
     slots: list = [None] * len(units)
     count = 0
+    stackable = len({s.stackable() for s in firsts}) == 1  # else the calls have no common layout (an error)
     for site, within in parts:
-        perm = site.relayout(first)  # a call whose vmap axis sits elsewhere: moved to the first's place
+        # a call whose vmap axis sits elsewhere: moved to the first's place
+        perm = site.relayout(first) if stackable else None
         for u, slot in within.items():
             slots[u] = _offset(slot, count, site, perm)
         count += site.units()
@@ -429,11 +439,15 @@ def _by_mark(members: list, sites: Sequence[Site]) -> list[list[int]]:
 
 
 def merge_branches(sites: Sequence[Site], where: str) -> Site:
-    """One site from the same tag in several branches of one cond."""
+    """One site from the same tag in several branches of one cond, in the first branch's layout.
+
+    The branches must agree in the documented layout (``Site.layout``); a vmap axis may sit
+    elsewhere in the program from branch to branch (``relayout`` moves it), as between repeated calls.
+    """
     first = sites[0]
     sources = tuple(dict.fromkeys(src for s in sites for src in s.sources))
     problem = next((s.problem for s in sites if s.problem), None)
-    if len({(s.shape, s.dtype, s.batch_axes, s.tree) for s in sites}) > 1:
+    if len({s.layout() for s in sites}) > 1:
         problem = (
             f"The tag {first.name!r} has different shapes in the branches of the cond at {where} "
             f"({'; '.join(s.describe() for s in sites)}). Use one name per shape."

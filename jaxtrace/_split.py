@@ -32,7 +32,7 @@ from jax import lax
 from . import _compat
 from ._leaves import check_array_leaves
 from ._splice import runs
-from ._sites import Site, TagError, assemble, merge_branches, select, stack_calls, with_problem
+from ._sites import Site, Slot, TagError, assemble, merge_branches, select, stack_calls, with_problem
 from ._tag import evaluated_tags, is_tag, site_value, tag_p
 
 SiteFn = Callable[[Site, Any, Any], Any]  # (site, value at the tag, input or None) -> new value
@@ -333,7 +333,11 @@ class Scan(Rule):
 
 
 class Cond(Rule):
-    """``lax.cond`` / ``lax.switch``: one site per name; zeros from the branches not taken."""
+    """``lax.cond`` / ``lax.switch``: one site per name; zeros from the branches not taken.
+
+    A branch whose vmap axes sit elsewhere than in the merged site (the first branch's layout)
+    gets its inputs and gives its outputs moved there (``Site.relayout``).
+    """
 
     def sites(self, program, eqn):
         found: dict = {}
@@ -348,10 +352,18 @@ class Cond(Rule):
 
         def make_branch(branch):
             own = splitter.program.level(branch).sites
+            # Branches of another layout are an error when asked for; a rewrite of every tag
+            # (``_vmap_cond``) still passes them through as they are.
+            slots = {
+                k: Slot(perm=own[k].relayout(active[k]) if own[k].layout() == active[k].layout() else None)
+                for k in active
+                if k in own
+            }
 
             def run(ops, inputs):
-                outs, outputs = splitter.eval_jaxpr(branch, ops, {k: v for k, v in inputs.items() if k in own})
-                return outs, {**splitter.output_zeros(active), **outputs}
+                inputs = {k: slots[k].take(v) for k, v in inputs.items() if k in own}
+                outs, outputs = splitter.eval_jaxpr(branch, ops, inputs)
+                return outs, {**splitter.output_zeros(active), **{k: slots[k].put(v) for k, v in outputs.items()}}
 
             return run
 
