@@ -234,3 +234,33 @@ def test_has_aux():
     np.testing.assert_allclose(aux["mean"], jnp.mean(value), rtol=1e-12)
     (value2, aux2), grads = jt.clipped_grad(losses, 1.0, has_aux=True)(MLP, X, Y)
     np.testing.assert_allclose(value2, value)
+
+
+def test_nnx_state_updated_in_the_call_is_written_back():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs, training):
+            self.first = nnx.Linear(3, 4, rngs=rngs, param_dtype=jnp.float64)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.norm = nnx.BatchNorm(4, use_running_average=not training, rngs=rngs, param_dtype=jnp.float64)
+            self.last = nnx.Linear(4, 2, rngs=rngs, param_dtype=jnp.float64)
+
+        def __call__(self, x):
+            return self.last(self.norm(self.drop(jnp.tanh(self.first(x)))))
+
+    def losses(m, x, y):
+        return jnp.sum((m(x) - y) ** 2, axis=-1)
+
+    model = Net(nnx.Rngs(0), training=False)
+    reference = nnx.clone(model)  # the same RNG state: the same dropout mask
+    graphdef, params, rest = nnx.split(reference, nnx.Param, ...)
+    rows = jax.jacrev(lambda p: losses(nnx.merge(graphdef, p, jax.tree_util.tree_map(lambda v: v, rest)), X, Y))(params)
+    expected = sum(jnp.sum(r.reshape(B, -1) ** 2, axis=1) for r in jax.tree_util.tree_leaves(rows))
+    _, sq = jt.per_example_norms(losses, total=True)(model, X, Y)  # BatchNorm's scale and bias: the exact path
+    np.testing.assert_allclose(sq, expected, rtol=1e-10)
+    _, again = jt.per_example_norms(losses, total=True)(model, X, Y)
+    assert not np.allclose(again, sq)  # the RNG count moved on: a new dropout mask
+
+    with pytest.raises(jt.TagError, match="independent examples"):  # BatchNorm in training mode
+        jt.per_example_norms(losses)(Net(nnx.Rngs(0), training=True), X, Y)
