@@ -39,6 +39,64 @@ class Call:
         return self.unflatten([None if info is None else v for info, v in zip(self.shapes, self.values)])
 
 
+class _Mark(torch.autograd.Function):
+    """An identity applied in place (``mark_dirty``): from here on every use of the tensor's memory,
+    through any reference, sends its gradient through this node, whose ``backward`` reports it."""
+
+    @staticmethod
+    def forward(ctx, x, report):
+        ctx.mark_dirty(x)
+        ctx.report = report
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        new = ctx.report(g)
+        return (g if new is None else new), None
+
+
+# Marking writes nothing, so the version counter that autograd checks saved tensors against is put
+# back (without it, a tensor that an earlier op saved, a tanh's output, would fail at backward).
+_preserve_version = getattr(torch.autograd.grad_mode, "_unsafe_preserve_version_counter", None)
+
+
+def _can_mark(t) -> bool:
+    # Views are left out: in-place on a view rebases its base, and a view whose version is put back
+    # keeps a stale history (autograd then crashes on a later register_hook).
+    return _preserve_version is not None and t.requires_grad and not t.is_leaf and not t._is_view()
+
+
+def _mark(t, report: Callable) -> bool:
+    if not _can_mark(t):
+        return False
+    try:
+        with _preserve_version(t):
+            _Mark.apply(t, report)
+    except RuntimeError:  # a tensor autograd refuses to change in place: keep the view alone
+        return False
+    return True
+
+
+def _storage(t) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (meta, some tensor subclasses)
+        return None
+
+
+@dataclasses.dataclass
+class _Alias:
+    """A watched output that shares memory with one of the module's inputs."""
+
+    tensor: Any  # the module's own output tensor
+    version: int  # its memory's version when the module returned
+    marked: bool = False  # an in-place identity node watches the memory itself
+
+    def changed(self) -> bool:
+        """Whether the memory was changed in place after the module returned."""
+        return self.tensor._version != self.version
+
+
 class Recorder:
     """Forward hooks that register tensor hooks, and the tensors autograd must reach.
 
@@ -46,19 +104,31 @@ class Recorder:
     output must count the uses of the value the module returned, from the point where it
     returned, and the gradient at its input the uses inside that call: what
     ``register_full_backward_hook`` calls ``grad_output`` and ``grad_input``, and what a
-    ``jt.tag`` at the same place gives. A tensor hook on the tensor object itself would
-    also count its other uses (attention probabilities used inside the module and also
-    returned; a module's input also read by a residual branch). So each watched tensor is
-    replaced by a copy (``clone``, an identity for autograd; not a view, since in-place
-    operations on a view drop the hooks on it, which is also why full backward hooks fail
-    on an in-place ReLU) and the hook goes on the copy. A tensor hook registered before an
-    in-place operation sees the gradient at the value before it, as wanted.
+    ``jt.tag`` or a forward hook returning ``output + eps`` gives at the same place. A tensor
+    hook on the tensor object itself would also count its other uses (attention probabilities
+    used inside the module and also returned; a module's input also read by a residual
+    branch). Three cases, none of which changes a value the model computes:
 
-    In-place modules get special care so that code relying on the in-place change keeps
-    working and its effect is counted: an output that is one of the call's inputs, changed
-    in place during the call, is hooked as it is (every later use of that tensor, through
-    any reference, is a use of this output); an input copy that the module changed in place
-    is written back into the caller's tensor (recorded by autograd).
+    - A fresh output (memory shared with none of the call's inputs) is replaced by a copy
+      (``clone``, an identity for autograd; not a view, since in-place operations on a view
+      drop the hooks on it) and the hook goes on the copy. A tensor hook registered before an
+      in-place operation (``out += identity``) sees the gradient at the value before it.
+    - An output that shares memory with an input (``nn.Identity``, ``Dropout`` in eval, a
+      view such as ``nn.Flatten``'s) is not copied, since an in-place change made later
+      through either must reach the other: the caller gets a view of the same memory, hooked.
+      If that memory is changed in place after the module returned, every later use of it,
+      through any reference, counts instead, read at an in-place identity node (``_Mark``)
+      put on the memory when the module returned (for a view output, where autograd cannot
+      take one, that case is an error that names the module).
+    - In-place modules: an output that is one of the call's inputs, changed in place during
+      the call, is hooked as it is (every later use of that tensor, through any reference,
+      is a use of this output); an input copy that the module changed in place is written
+      back into the caller's tensor (recorded by autograd).
+
+    The forward hooks are registered with ``prepend=True``, so they run before hooks others
+    registered (Hugging Face's output recorders, a user's hook that stores the output), which
+    then see, and pass on, the tensor jaxtrace watches. A module called under
+    ``torch.no_grad()`` is not hooked: its values do not reach the loss, its gradient is zeros.
     """
 
     def __init__(self, api: str, patch_grads: dict | None = None, with_values: bool = False):
@@ -67,20 +137,45 @@ class Recorder:
         self.patch_grads = dict(patch_grads or {})  # name -> fn: the hook returns fn(g), as jt.patch_grad
         self.calls: dict[str, list[Call]] = {}
         self.wrt: list = []  # extra inputs of autograd.grad: leaves made for constants, gradient edges
+        self.aliases: list = []  # (name, _Alias) of outputs that share memory with an input
         self._frames: dict[int, list] = {}  # per module: the calls in progress (a stack, for recursion)
         self._edge = getattr(getattr(torch.autograd, "graph", None), "get_gradient_edge", None)
 
-    def _watch(self, name: str, value, in_place: Callable = lambda t: False) -> tuple[Any, list]:
-        """Hook every floating tensor in ``value``; returns the value to use and ``[(old, new)]``."""
+    def _watch(
+        self, name: str, value, in_place: Callable = lambda t: False, shared: frozenset = frozenset()
+    ) -> tuple[Any, list]:
+        """Hook every floating tensor in ``value``; returns the value to use and ``[(old, new)]``.
+
+        ``shared``: the storages of the call's inputs (for an output: its leaves that share one
+        are aliases, watched without a copy).
+        """
         leaves, unflatten = flatten(value)  # keeps ModelOutput, NamedTuple, dataclass types
         call = Call(flatten(value, plain=True)[1], [None] * len(leaves), [None] * len(leaves), [None] * len(leaves))
         swaps = []
         new_leaves = list(leaves)
+        grad_mode = torch.is_grad_enabled()
+        patch = self.patch_grads.get(name)
         for i, leaf in enumerate(leaves):
             if not is_float_tensor(leaf):
                 continue
+            call.shapes[i] = (tuple(leaf.shape), np_dtype(leaf.dtype))
+            if self.with_values:  # a copy now: a later in-place op on the tensor does not change it
+                call.values[i] = to_numpy(leaf)
+            if not grad_mode:
+                continue  # under torch.no_grad(): nothing reaches the loss from here; zeros
             if leaf.requires_grad and in_place(leaf):
                 alias = leaf
+            elif leaf.requires_grad and shared and _storage(leaf) in shared:
+                entry = _Alias(leaf, leaf._version)
+                entry.marked = _mark(leaf, _store(call, i, self.api, patch, entry.changed))
+                alias = leaf.view_as(leaf)
+                self.aliases.append((name, entry))
+                swaps.append((leaf, alias))
+                if self._edge is not None:
+                    self.wrt.append(self._edge(alias))
+                alias.register_hook(_store(call, i, self.api, patch, lambda e=entry: not e.changed()))
+                new_leaves[i] = alias
+                continue
             elif leaf.requires_grad:
                 alias = leaf.clone()
                 swaps.append((leaf, alias))
@@ -95,30 +190,37 @@ class Recorder:
                 # Make autograd run the node that feeds this hook even when it lies on no path
                 # to a parameter or an input (a value that depends only on some other leaf).
                 self.wrt.append(self._edge(alias))
-            call.shapes[i] = (tuple(alias.shape), np_dtype(alias.dtype))
-            if self.with_values:  # a copy now: a later in-place op on the tensor does not change it
-                call.values[i] = to_numpy(alias)
-            alias.register_hook(_store(call, i, self.api, self.patch_grads.get(name)))
+            alias.register_hook(_store(call, i, self.api, patch))
             new_leaves[i] = alias
         self.calls.setdefault(name, []).append(call)
         return (unflatten(new_leaves) if swaps else value), swaps
 
     def hooks(self, path: str, inputs: bool, outputs: bool) -> tuple[Callable, Callable]:
-        """A forward pre-hook and a forward hook for the module at ``path``."""
+        """A forward pre-hook and a forward hook (both ``with_kwargs=True``) for the module at ``path``."""
 
-        def pre_hook(module, args):
-            swaps, new_args = [], None
+        def pre_hook(module, args, kwargs):
+            swaps, new = [], None
             if inputs:
-                value = args[0] if len(args) == 1 else tuple(args)
-                new, swaps = self._watch(path + INPUT_SUFFIX, value)
+                # ":in": the positional inputs (one: itself; several: a tuple); a call with keyword
+                # arguments only (Hugging Face's hidden_states=): a dict of them.
+                value = args[0] if len(args) == 1 else dict(kwargs) if not args and kwargs else tuple(args)
+                watched, swaps = self._watch(path + INPUT_SUFFIX, value)
                 if swaps:
-                    new_args = (new,) if len(args) == 1 else tuple(new)
-            seen = {id(t): (t, t._version) for t in flatten(list(new_args or args))[0] if isinstance(t, torch.Tensor)}
-            self._frames.setdefault(id(module), []).append((seen, [(old, a, a._version) for old, a in swaps]))
-            return new_args
+                    if not args and kwargs:
+                        new = (args, {**kwargs, **watched})
+                    else:
+                        new = ((watched,) if len(args) == 1 else tuple(watched), kwargs)
+            call_args, call_kwargs = new if new is not None else (args, kwargs)
+            tensors = [t for t in flatten([list(call_args), dict(call_kwargs)])[0] if isinstance(t, torch.Tensor)]
+            seen = {id(t): (t, t._version) for t in tensors}
+            shared = {_storage(t) for t in tensors} | {_storage(old) for old, _ in swaps}
+            self._frames.setdefault(id(module), []).append(
+                (seen, frozenset(shared - {None}), [(old, a, a._version) for old, a in swaps])
+            )
+            return new
 
-        def hook(module, args, output):
-            seen, swaps = self._frames[id(module)].pop()
+        def hook(module, args, kwargs, output):
+            seen, shared, swaps = self._frames[id(module)].pop()
 
             def in_place(t):
                 old = seen.get(id(t))
@@ -128,15 +230,24 @@ class Recorder:
             for old, alias, version in swaps:
                 if alias._version != version:
                     old.copy_(alias)
-            if outputs:
-                new, changed = self._watch(path, output, in_place)
-                return new if changed else None
-            return None
+            returned = _back_to_caller(output, swaps)
+            if not outputs:
+                return None if returned is output else returned
+            new, changed = self._watch(path, returned, in_place, shared)
+            return new if changed else (None if returned is output else returned)
 
         return pre_hook, hook
 
     def results(self, values: bool = False) -> dict:
         """``{name: gradient}``, or with ``values=True`` ``{name: value}``, calls stacked."""
+        for name, entry in self.aliases:
+            if entry.changed() and not entry.marked:
+                raise ValueError(
+                    f"{self.api}: the output of {name!r} is a view of one of its inputs "
+                    f"({describe(entry.tensor)}), and the model changed that memory in place after "
+                    f"{name!r} returned, so the gradient at that output cannot be read apart from the "
+                    "input's (the forward pass ran as without jaxtrace). Leave it out of where=."
+                )
         out = {}
         for name, calls in self.calls.items():
             per_call = [c.value() if values else c.result() for c in calls]
@@ -144,8 +255,38 @@ class Recorder:
         return out
 
 
-def _store(call: Call, i: int, api: str, fn: Callable | None = None):
+def _back_to_caller(output, swaps: list):
+    """``output`` with each leaf that is an unchanged input copy (``nn.Identity`` with ``":in"``
+    watched) replaced by the caller's own tensor, so that in-place changes made later through
+    the output reach the caller's tensor as without jaxtrace.
+
+    The copy is written back into the caller's tensor (the same bits; recorded by autograd), so
+    the later uses of that tensor go through the copy's ``":in"`` hook.
+    """
+    unchanged = {id(a): (old, a) for old, a, version in swaps if a._version == version}
+    if not unchanged:
+        return output
+    leaves, unflatten = flatten(output)
+    written, replaced = set(), False
+    for i, leaf in enumerate(leaves):
+        hit = unchanged.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+        if hit is None or not _can_mark(hit[0]) or hit[0].shape != leaf.shape:
+            continue
+        old, copy = hit
+        if id(old) not in written:
+            with _preserve_version(old):
+                old.copy_(copy)
+            written.add(id(old))
+        leaves[i], replaced = old, True
+    return unflatten(leaves) if replaced else output
+
+
+def _store(call: Call, i: int, api: str, fn: Callable | None = None, active: Callable = lambda: True):
+    """The tensor hook for leaf ``i`` of ``call``; ``active()`` false: this watcher is not the one read."""
+
     def hook(g):
+        if not active():
+            return None
         call.grads[i] = to_numpy(g)  # the hook fires once, with the total gradient (as it arrives)
         if fn is not None:
             new = fn(g)
@@ -339,8 +480,8 @@ def _value_and_grad(api, module, args, loss, where, inputs, kwargs, patch_grads,
         for path, mod in named.items():
             if path in ins or path in outs:
                 pre_hook, hook = recorder.hooks(path, path in ins, path in outs)
-                handles.append(mod.register_forward_pre_hook(pre_hook))
-                handles.append(mod.register_forward_hook(hook))
+                handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True))
+                handles.append(mod.register_forward_hook(hook, prepend=True, with_kwargs=True))
         with torch.enable_grad():
             fresh = []
 
