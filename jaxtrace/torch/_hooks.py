@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
 import numpy as np
 import torch
 
@@ -25,15 +26,22 @@ class Call:
     shapes: list  # per leaf: (shape, numpy dtype) or None when the leaf has no gradient
     grads: list  # per leaf: np.ndarray once its hook fired
     values: list = dataclasses.field(default_factory=list)  # with_values: per leaf, a copy at the call
+    # (leaf j, output Call, its leaf i): an input the module returned as it is (nn.Identity); the
+    # uses of the returned tensor are uses inside the call, read at the output's watch.
+    links: list = dataclasses.field(default_factory=list)
+
+    def leaf(self, i: int):
+        info, g = self.shapes[i], self.grads[i]
+        if info is None:
+            return None
+        g = g if g is not None else np.zeros(info[0], info[1])
+        for j, other, k in self.links:
+            if j == i:
+                g = g + other.leaf(k)
+        return g
 
     def result(self) -> Any:
-        leaves = []
-        for info, g in zip(self.shapes, self.grads):
-            if info is None:
-                leaves.append(None)
-            else:
-                leaves.append(g if g is not None else np.zeros(info[0], info[1]))
-        return self.unflatten(leaves)
+        return self.unflatten([self.leaf(i) for i in range(len(self.shapes))])
 
     def value(self) -> Any:
         return self.unflatten([None if info is None else v for info, v in zip(self.shapes, self.values)])
@@ -88,13 +96,15 @@ def _storage(t) -> int | None:
 class _Alias:
     """A watched output that shares memory with one of the module's inputs."""
 
-    tensor: Any  # the module's own output tensor
-    version: int  # its memory's version when the module returned
+    tensor: Any  # the module's own output tensor (for an input: the caller's tensor)
+    version: int  # its memory's version when the module returned (was called)
     marked: bool = False  # an in-place identity node watches the memory itself
+    frozen: bool | None = None  # for an input: whether the call changed it, once it returned
 
     def changed(self) -> bool:
-        """Whether the memory was changed in place after the module returned."""
-        return self.tensor._version != self.version
+        """Whether the memory was changed in place after the module returned (for an input:
+        during the call)."""
+        return self.frozen if self.frozen is not None else self.tensor._version != self.version
 
 
 class Recorder:
@@ -142,12 +152,15 @@ class Recorder:
         self._edge = getattr(getattr(torch.autograd, "graph", None), "get_gradient_edge", None)
 
     def _watch(
-        self, name: str, value, in_place: Callable = lambda t: False, shared: frozenset = frozenset()
+        self, name: str, value, in_place: Callable = lambda t: False, shared: frozenset = frozenset(), inputs=False
     ) -> tuple[Any, list]:
-        """Hook every floating tensor in ``value``; returns the value to use and ``[(old, new)]``.
+        """Hook every floating tensor in ``value``; returns the value to use and ``[(old, new, entry)]``.
 
         ``shared``: the storages of the call's inputs (for an output: its leaves that share one
-        are aliases, watched without a copy).
+        are aliases, watched without a copy). ``inputs``: ``value`` is what the module is about
+        to receive; a tensor autograd can mark is given as a view of itself (``entry`` then
+        decides, when the call returns, which watcher is read), any other as a copy (``entry``
+        is ``None``).
         """
         leaves, unflatten = flatten(value)  # keeps ModelOutput, NamedTuple, dataclass types
         call = Call(flatten(value, plain=True)[1], [None] * len(leaves), [None] * len(leaves), [None] * len(leaves))
@@ -165,12 +178,16 @@ class Recorder:
                 continue  # under torch.no_grad(): nothing reaches the loss from here; zeros
             if leaf.requires_grad and in_place(leaf):
                 alias = leaf
-            elif leaf.requires_grad and shared and _storage(leaf) in shared:
+            elif leaf.requires_grad and ((inputs and _can_mark(leaf)) or (shared and _storage(leaf) in shared)):
+                # Two watchers, one read: the view handed on (its uses), or, if the memory is
+                # changed in place (after the output returned; during the input's call), the
+                # in-place identity node on the memory (every later use, through any reference).
                 entry = _Alias(leaf, leaf._version)
                 entry.marked = _mark(leaf, _store(call, i, self.api, patch, entry.changed))
                 alias = leaf.view_as(leaf)
-                self.aliases.append((name, entry))
-                swaps.append((leaf, alias))
+                if not inputs:
+                    self.aliases.append((name, entry))
+                swaps.append((leaf, alias, entry, i))
                 if self._edge is not None:
                     self.wrt.append(self._edge(alias))
                 alias.register_hook(_store(call, i, self.api, patch, lambda e=entry: not e.changed()))
@@ -178,14 +195,14 @@ class Recorder:
                 continue
             elif leaf.requires_grad:
                 alias = leaf.clone()
-                swaps.append((leaf, alias))
+                swaps.append((leaf, alias, None, i))
             else:
                 # A constant (made inside forward, or an input without requires_grad):
                 # differentiate it through a fresh leaf.
                 fresh = leaf.detach().requires_grad_(True)
                 self.wrt.append(fresh)
                 alias = fresh.clone()
-                swaps.append((leaf, alias))
+                swaps.append((leaf, alias, None, i))
             if self._edge is not None and alias.requires_grad:
                 # Make autograd run the node that feeds this hook even when it lies on no path
                 # to a parameter or an input (a value that depends only on some other leaf).
@@ -204,7 +221,7 @@ class Recorder:
                 # ":in": the positional inputs (one: itself; several: a tuple); a call with keyword
                 # arguments only (Hugging Face's hidden_states=): a dict of them.
                 value = args[0] if len(args) == 1 else dict(kwargs) if not args and kwargs else tuple(args)
-                watched, swaps = self._watch(path + INPUT_SUFFIX, value)
+                watched, swaps = self._watch(path + INPUT_SUFFIX, value, inputs=True)
                 if swaps:
                     if not args and kwargs:
                         new = (args, {**kwargs, **watched})
@@ -213,27 +230,42 @@ class Recorder:
             call_args, call_kwargs = new if new is not None else (args, kwargs)
             tensors = [t for t in flatten([list(call_args), dict(call_kwargs)])[0] if isinstance(t, torch.Tensor)]
             seen = {id(t): (t, t._version) for t in tensors}
-            shared = {_storage(t) for t in tensors} | {_storage(old) for old, _ in swaps}
+            shared = {_storage(t) for t in tensors} | {_storage(old) for old, *_ in swaps}
+            in_call = self.calls[path + INPUT_SUFFIX][-1] if inputs else None
             self._frames.setdefault(id(module), []).append(
-                (seen, frozenset(shared - {None}), [(old, a, a._version) for old, a in swaps])
+                (seen, frozenset(shared - {None}), [(old, a, a._version, e, j, in_call) for old, a, e, j in swaps])
             )
             return new
 
         def hook(module, args, kwargs, output):
             seen, shared, swaps = self._frames[id(module)].pop()
+            for old, alias, version, entry, _, _ in swaps:
+                if entry is not None:  # a view of the caller's tensor: did the call change it?
+                    entry.frozen = alias._version != version
+                elif alias._version != version:  # a copy the module changed: the caller's tensor gets it
+                    old.copy_(alias)
+            returned, in_place_outputs, links = _back_to_caller(output, swaps)
 
             def in_place(t):
+                if id(t) in in_place_outputs:
+                    return True
                 old = seen.get(id(t))
                 return old is not None and old[0] is t and t._version != old[1]
 
-            # Input copies the module changed in place: the caller's tensor gets the change.
-            for old, alias, version in swaps:
-                if alias._version != version:
-                    old.copy_(alias)
-            returned = _back_to_caller(output, swaps)
-            if not outputs:
+            if not outputs and not links:
                 return None if returned is output else returned
+            # An input returned as it is needs the output's watch for its ":in" gradient, even
+            # when the output itself was not asked for (then it is not reported).
             new, changed = self._watch(path, returned, in_place, shared)
+            if outputs:
+                out_call = self.calls[path][-1]
+            else:  # not reported: taken out of the results again
+                out_call = self.calls[path].pop()
+                if not self.calls[path]:
+                    del self.calls[path]
+                self.aliases = [(n if n != path else path + INPUT_SUFFIX, e) for n, e in self.aliases]
+            for in_call, j, i in links:
+                in_call.links.append((j, out_call, i))
             return new if changed else (None if returned is output else returned)
 
         return pre_hook, hook
@@ -255,30 +287,32 @@ class Recorder:
         return out
 
 
-def _back_to_caller(output, swaps: list):
-    """``output`` with each leaf that is an unchanged input copy (``nn.Identity`` with ``":in"``
-    watched) replaced by the caller's own tensor, so that in-place changes made later through
-    the output reach the caller's tensor as without jaxtrace.
+def _back_to_caller(output, swaps: list) -> tuple[Any, set, list]:
+    """``output`` with each leaf that is what jaxtrace handed the module for ``":in"`` replaced by
+    the caller's own tensor, as without jaxtrace; the ids of those the call changed in place
+    (an in-place module's output: hooked as it is); and ``(input Call, its leaf, output leaf)``
+    for those returned unchanged (``nn.Identity``), whose ``":in"`` gradient then adds the
+    output's: the uses of the returned tensor are uses of the input inside the call.
 
-    The copy is written back into the caller's tensor (the same bits; recorded by autograd), so
-    the later uses of that tensor go through the copy's ``":in"`` hook.
+    A copy the call changed was written back already and goes on as the module returned it.
     """
-    unchanged = {id(a): (old, a) for old, a, version in swaps if a._version == version}
-    if not unchanged:
-        return output
+    by_id = {id(a): swap for swap in swaps for a in [swap[1]]}
+    if not by_id:
+        return output, set(), []
     leaves, unflatten = flatten(output)
-    written, replaced = set(), False
+    replaced, in_place, links = False, set(), []
     for i, leaf in enumerate(leaves):
-        hit = unchanged.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
-        if hit is None or not _can_mark(hit[0]) or hit[0].shape != leaf.shape:
+        hit = by_id.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+        if hit is None:
             continue
-        old, copy = hit
-        if id(old) not in written:
-            with _preserve_version(old):
-                old.copy_(copy)
-            written.add(id(old))
-        leaves[i], replaced = old, True
-    return unflatten(leaves) if replaced else output
+        old, alias, version, entry, j, in_call = hit
+        if entry is not None and entry.frozen:  # a view of the caller's tensor, changed in place
+            leaves[i], replaced = old, True
+            in_place.add(id(old))
+        elif entry is not None or alias._version == version:  # returned unchanged
+            leaves[i], replaced = old, True
+            links.append((in_call, j, i))
+    return (unflatten(leaves) if replaced else output), in_place, links
 
 
 def _store(call: Call, i: int, api: str, fn: Callable | None = None, active: Callable = lambda: True):
@@ -303,8 +337,9 @@ def _store(call: Call, i: int, api: str, fn: Callable | None = None, active: Cal
 
 def _stack_calls(api: str, name: str, calls: list, values: list):
     first = calls[0]
-    for c in calls[1:]:
-        if c.shapes != first.shapes:
+    structure = jax.tree_util.tree_structure(values[0])
+    for c, v in zip(calls[1:], values[1:]):
+        if c.shapes != first.shapes or jax.tree_util.tree_structure(v) != structure:
             shapes = "; ".join(str([s[0] if s else None for s in cc.shapes]) for cc in calls)
             raise ValueError(
                 f"{api}: the module {name!r} was called {len(calls)} times with different "
