@@ -1,7 +1,7 @@
 """``jaxtrace.torch.value_and_grad`` / ``grad``: the gradients at a torch module's outputs and inputs.
 
-Forward hooks put a tensor hook on a copy of each watched value (see ``Recorder``);
-``torch.autograd.grad`` then fills them in. The naming and layout of the results
+Forward hooks put a tensor hook on a copy or a view of each watched value (see ``Recorder``),
+leaving every value the model computes as it is; ``torch.autograd.grad`` then fills them in. The naming and layout of the results
 are described in the ``jaxtrace.torch`` package docstring.
 """
 
@@ -393,9 +393,15 @@ def value_and_grad(
     and the floating tensors among ``args`` (which are not changed). The module
     runs in its current mode: call ``.eval()`` on both sides for a parity check.
     Forward hooks put a tensor hook on a copy of each output (an identity for
-    autograd), which works with in-place modules (``ReLU(inplace=True)``) where
-    ``register_full_backward_hook`` does not. Names, tuples, repeated calls and
-    ``":in"`` are described in the ``jaxtrace.torch`` package docstring. A
+    autograd), or, where the output shares memory with an input (``nn.Identity``,
+    ``Dropout`` in eval, ``nn.Flatten``), on a view of it, so the model computes
+    exactly what it computes without jaxtrace; this works with in-place modules
+    (``ReLU(inplace=True)``) where ``register_full_backward_hook`` does not. They
+    are registered with ``prepend=True``: hooks others registered (Hugging Face's
+    output recorders) run after them and see the watched tensor. A module called
+    under ``torch.no_grad()`` runs as it is and gets zeros. Names, tuples,
+    repeated calls, ``":in"`` (keyword-only calls: a dict of the keywords) and
+    aliasing outputs are described in the ``jaxtrace.torch`` package docstring. A
     module output of a dict subclass (Hugging Face's ``ModelOutput``),
     NamedTuple or dataclass keeps its type in the forward pass, so the code
     that reads it runs as without hooks; its gradient is a plain ``dict`` of its
@@ -423,7 +429,8 @@ def value_and_grad(
     Returns:
         ``(value, (param_grads, module_grads))``: the loss as a Python float;
         ``{named_parameters() name: gradient}``; ``{named_modules() path:
-        gradient at the output}``; NumPy arrays in the module's dtypes.
+        gradient at the output}``; NumPy arrays in the module's dtypes
+        (bfloat16 and float8 as ``ml_dtypes`` arrays, bit for bit, as JAX has them).
         ``with_values=True`` appends ``module_values``, as ``jaxtrace.value_and_grad`` does.
 
     Raises:
@@ -431,7 +438,9 @@ def value_and_grad(
             none of the forms above.
         ValueError: if ``loss`` (or the output) is not a scalar floating tensor,
             or a path in ``where`` / ``patch_grads`` names no module or a module
-            that this forward pass never called.
+            that this forward pass never called, or a module called several times
+            has outputs of different shapes or structures, or a selected output
+            is a view of an input whose memory the model changes in place later.
 
     Example:
         >>> import torch, jaxtrace.torch as jtt
