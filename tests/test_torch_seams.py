@@ -15,6 +15,8 @@ place (``output.add_(eps)``), so every later use of that memory sees it, as in t
 - bfloat16: gradients and values in the module's dtype (``ml_dtypes.bfloat16``), bit for bit.
 """
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -49,8 +51,11 @@ def _rebuild(obj, new):
             return tuple(go(v) for v in o)
         if isinstance(o, list):
             return [go(v) for v in o]
-        if isinstance(o, dict) and type(o) is dict:
-            return {k: go(v) for k, v in o.items()}
+        if isinstance(o, dict):  # a ModelOutput keeps its type
+            new = copy.copy(o)
+            for k, v in o.items():
+                new[k] = go(v)
+            return new
         return next(it)
 
     return go(obj)
@@ -232,6 +237,25 @@ def test_gpt2_output_attentions_same_numbers_on_every_call():
             np.testing.assert_array_equal(a, b)
     attn_weights_grad = _leaves(runs[1][1][1]["transformer.h.0.attn"])[1]
     assert np.abs(attn_weights_grad).max() > 0.5  # the recorded attention map's gradient, not zeros
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_gpt2_every_module_and_input_against_the_oracle(record):
+    """``where=None, inputs=True``: every module's output and input, on two calls, with and without
+    Hugging Face's output recorders, against zero-perturbation hooks."""
+    model = _gpt2()
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    kwargs = dict(output_attentions=True, output_hidden_states=True) if record else {}
+    loss = _gpt2_loss if record else (lambda out: (out["logits"] ** 2).mean())
+    for _ in range(2):
+        got, (params, modules) = jtt.value_and_grad(model, ids, loss=loss, kwargs=kwargs, inputs=True)
+        value, expected = oracle(model, (ids,), loss, list(modules), kwargs=kwargs)
+        assert got == float(value) and len(expected) == 62
+        unused = set() if record else {"transformer.h.0.attn", "transformer.h.1.attn"}  # weights dropped
+        assert_matches({p: modules[p] for p in expected if p not in unused}, {p: expected[p] for p in expected if p not in unused})
+        for p in unused:
+            np.testing.assert_array_equal(_leaves(modules[p])[1], 0.0)
+            np.testing.assert_allclose(_leaves(modules[p])[0], expected[p][0][0].numpy(), rtol=1e-12, atol=1e-13)
 
 
 # --- outputs that alias an input ---------------------------------------------------------
