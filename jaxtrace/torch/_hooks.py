@@ -132,8 +132,15 @@ class Recorder:
       take one, that case is an error that names the module).
     - In-place modules: an output that is one of the call's inputs, changed in place during
       the call, is hooked as it is (every later use of that tensor, through any reference,
-      is a use of this output); an input copy that the module changed in place is written
-      back into the caller's tensor (recorded by autograd).
+      is a use of this output).
+
+    For ``":in"`` the module is handed a view of the caller's tensor, hooked, and the tensor
+    is marked in place: if the call changes it in place, the mark is read (every use after
+    the call began, which then goes through the change), else the view; an in-place module's
+    output goes back as the caller's tensor, and an input returned unchanged (``nn.Identity``)
+    also goes on as the caller's tensor, its ``":in"`` gradient adding the output's. A tensor
+    autograd cannot mark (a view, a leaf) is handed as a copy instead, which a module that
+    changes it in place gets written back into the caller's tensor (recorded by autograd).
 
     The forward hooks are registered with ``prepend=True``, so they run before hooks others
     registered (Hugging Face's output recorders, a user's hook that stores the output), which
