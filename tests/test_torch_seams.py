@@ -342,6 +342,30 @@ def test_aliasing_outputs_leave_the_model_unchanged(case):
     _assert_params(params, plain_params)
 
 
+def test_identity_with_in_passes_on_the_callers_memory():
+    """``nn.Identity`` with only ``":in"`` watched: what it returns shares the caller's memory."""
+    seen = []
+
+    class Keep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.id = nn.Linear(3, 3), nn.Identity()
+
+        def forward(self, x):
+            h = self.fc(x)
+            out = self.id(h)
+            seen.append(out.data_ptr() == h.data_ptr() and out.shape == h.shape)
+            return (h**2).sum() + out.sum()
+
+    model = Keep().double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    _, modules = jtt.grad(model, x, where=["id:in"])
+    assert seen == [True] and "id" not in modules
+    np.testing.assert_allclose(modules["id:in"], np.ones((2, 3)), rtol=1e-15)  # the returned tensor's use
+    with pytest.raises(ValueError, match=r"patch_grads has 'id:in', but 'id' returns its input as it is"):
+        jtt.grad(model, x, where=["id:in"], patch_grads={"id:in": lambda g: 2 * g})
+
+
 def test_a_view_output_changed_in_place_later_is_a_clear_error():
     torch.manual_seed(2)
     model = FlattenView(change_later=True).double()

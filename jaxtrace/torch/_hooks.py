@@ -261,6 +261,12 @@ class Recorder:
 
             if not outputs and not links:
                 return None if returned is output else returned
+            if links and path + INPUT_SUFFIX in self.patch_grads:
+                raise ValueError(
+                    f"{self.api}: patch_grads has {path + INPUT_SUFFIX!r}, but {path!r} returns its input "
+                    "as it is (like nn.Identity), so the gradient at that input also arrives through the "
+                    f"output's later uses and cannot be patched in one place. Patch {path!r} instead."
+                )
             # An input returned as it is needs the output's watch for its ":in" gradient, even
             # when the output itself was not asked for (then it is not reported).
             new, changed = self._watch(path, returned, in_place, shared)
