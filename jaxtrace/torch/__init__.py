@@ -12,7 +12,10 @@ copies a torch module's parameters into the matching equinox model, and
 Naming and layout of ``module_grads`` (the same conventions as ``jt.tag``):
 
 - ``"<path>"``: the gradient at the module's output; ``"<path>:in"``: at its
-  positional inputs (one argument: that argument; several: a tuple). The root
+  positional inputs (one argument: that argument; several: a tuple), as
+  ``jt.tag_modules`` tags them; a call with keyword arguments only (Hugging
+  Face's ``attn(hidden_states=h)``) gives a dict ``{keyword: gradient}``. Keyword
+  arguments of a call that also has positional ones are not watched. The root
   module's path is ``""``.
 - A module that returns a tuple, list or dict gets a gradient of the same
   structure, as a JAX tag on that pytree does; ``jaxtrace.compare`` names the
@@ -31,7 +34,25 @@ Naming and layout of ``module_grads`` (the same conventions as ``jt.tag``):
   return value and, for ``":in"``, the arguments it receives. (A hook on the
   tensor object would also count other uses of the same tensor: attention
   probabilities used inside the module and also returned, a module's input
-  that a residual branch also reads.)
+  that a residual branch also reads.) The oracle is a forward hook registered
+  with ``prepend=True`` that returns ``output + eps``.
+- jaxtrace never changes what the model computes. Its forward hooks run before
+  hooks others registered (``prepend=True``), so Hugging Face's output
+  recorders (``output_attentions``, ``output_hidden_states``) and a user's hook
+  that stores the output see the watched tensor, on every call. An output that
+  shares memory with an input (``nn.Identity``, ``Dropout`` in eval, the view
+  ``nn.Flatten`` returns) is passed on as a view of the same memory, so an
+  in-place op made on it later reaches the input as without jaxtrace. If the
+  model changes that memory in place after the module returned (``out =
+  self.shortcut(x); out += y``), the gradient counts every later use of it,
+  through any reference, as for an in-place module's output (the oracle: a
+  forward hook that adds ``eps`` in place); where the output is a view of its
+  input (``nn.Flatten``), that case is an error naming the module. A module
+  returned as it is with ``":in"`` watched (``nn.Identity``) has the output's
+  gradient at its input.
+- A module called under ``torch.no_grad()`` (a teacher, an EMA target) runs as
+  it is; its gradients are zeros. Gradients and values come in the module's
+  dtype: bfloat16 (and float8) as ``ml_dtypes`` arrays, the types JAX uses.
 
 Needs PyTorch (a CPU build is enough: ``pip install torch --index-url https://download.pytorch.org/whl/cpu``).
 """

@@ -85,14 +85,39 @@ def is_float_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
+# Torch dtypes NumPy has no type of its own for: their ml_dtypes twins (ml_dtypes ships with JAX), read
+# through an integer view of the same width, so the bits are kept exactly.
+_ML_DTYPES = {
+    "bfloat16": ("bfloat16", torch.int16),
+    "float8_e4m3fn": ("float8_e4m3fn", torch.uint8),
+    "float8_e5m2": ("float8_e5m2", torch.uint8),
+    "float8_e4m3fnuz": ("float8_e4m3fnuz", torch.uint8),
+    "float8_e5m2fnuz": ("float8_e5m2fnuz", torch.uint8),
+}
+
+
+def _ml_dtype(dtype: "torch.dtype"):
+    """``(numpy dtype, integer torch dtype of the same width)`` for a dtype NumPy lacks, else ``None``."""
+    entry = _ML_DTYPES.get(str(dtype).removeprefix("torch."))
+    if entry is None:
+        return None
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, entry[0])), entry[1]
+
+
 def np_dtype(dtype: "torch.dtype") -> np.dtype:
-    return np.dtype("float32") if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+    """The NumPy dtype of a torch dtype: ``ml_dtypes.bfloat16`` (float8 likewise) where NumPy has none."""
+    ml = _ml_dtype(dtype)
+    return ml[0] if ml is not None else torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A NumPy copy of ``t`` in its own dtype (bfloat16 as ``ml_dtypes.bfloat16``, bit for bit)."""
     t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        t = t.float()
+    ml = _ml_dtype(t.dtype)
+    if ml is not None:
+        return t.contiguous().view(ml[1]).numpy().view(ml[0]).copy()
     return t.numpy().copy()
 
 
