@@ -9,8 +9,11 @@ gradient to
 - ``"mean_abs"``: the mean of ``|g|``,
 - ``"max_abs"``: the largest ``|g|``,
 - ``"nonfinite"``: the fraction of entries that are ``nan`` or ``inf``,
+- ``"rms"`` (on request, not in ``STATS``): ``sqrt(mean(g**2))``,
 
-inside the traced function, so under ``jax.jit`` the full cotangents are
+inside the traced function, each a sum or a max over the entries with no data-dependent
+scaling before it: one fused loop over the data per tag and, when sharded, one all-reduce
+round (XLA combines the sums with the gradients' own all-reduces), so under ``jax.jit`` the full cotangents are
 never outputs of the compiled program (XLA drops them). A pytree-valued tag
 is summarised as one vector of all its leaves. :func:`value_and_grad` does
 the differentiation and the summary in one call and keeps each tag's loop
@@ -43,7 +46,6 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._ad import jacrev as _jacrev
 from ._ad import value_and_grad_with_sites as _value_and_grad_with_sites
@@ -51,7 +53,9 @@ from ._module_tags import path_name as _path_name
 from ._sites import TagSelection, check_callable, check_tags
 
 STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
-"""The statistics :func:`summarize` computes by default (all it knows)."""
+"""The statistics :func:`summarize` computes by default; ``"rms"`` is computed when asked for."""
+
+_KNOWN = (*STATS, "rms")
 
 LoopAxes = Union[int, Mapping[str, int], Callable[[str], int]]
 
@@ -78,11 +82,15 @@ def summarize(
     a ``vmap`` gives one per step and example.
     :func:`value_and_grad` fills in the loop axes from the program itself.
 
-    Norm, mean and max follow NumPy on non-finite input (``nan`` if any entry
-    is ``nan``, else ``inf`` if any is ``inf``); the norm is computed scaled
-    by the max, so it does not overflow for large finite gradients. The
-    results have the gradient's real dtype, at least float32. A ``float0``
-    leaf (the gradient of an integer tag) counts as zeros.
+    Norm, rms, mean and max follow NumPy on non-finite input (``nan`` if any
+    entry is ``nan``, else ``inf`` if any is ``inf``). The results have the
+    gradient's real dtype, at least float32, and are accumulated in it: the
+    sums of squares are also taken at two fixed power-of-two scales in the
+    same pass (exact), and the one in range is used, so large finite float32
+    gradients (``|g| > 1e19``, whose squares overflow) and tiny ones (``|g| <
+    1e-19``, whose squares underflow) still give the right norm. A tag with
+    no entries has norm 0 and mean and rms ``nan``. A ``float0`` leaf (the
+    gradient of an integer tag) counts as zeros.
 
     With ``terms``, ``values`` is the ``tag_jacs`` of :func:`jaxtrace.jacrev`
     and ``terms`` the function's output (or ``jax.eval_shape`` of it): each
@@ -99,7 +107,7 @@ def summarize(
             ``tag_jacs`` of ``jaxtrace.jacrev`` with ``terms``.
         loop_axes: how many leading axes of each tag to keep: an int, a dict
             ``{name: int}`` (missing names: 0) or a function of the name.
-        stats: one name from ``STATS``, or a sequence of them.
+        stats: one name from ``STATS`` or ``"rms"``, or a sequence of them.
         terms: the function's output (or ``jax.eval_shape`` of it), to summarise
             ``tag_jacs`` per output leaf.
 
@@ -107,7 +115,7 @@ def summarize(
         ``{name: {stat: array}}``, or with ``terms`` ``{name: {term: {stat: array}}}``.
 
     Raises:
-        ValueError: if a name in ``stats`` is not in ``STATS``.
+        ValueError: if a name in ``stats`` is not in ``STATS`` or ``"rms"``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -292,14 +300,14 @@ def _stat_names(stats: str | Sequence[str]) -> tuple:
         stats = (stats,)
     elif isinstance(stats, (bytes, bytearray)) or not isinstance(stats, Iterable):
         raise TypeError(
-            f"jaxtrace.stats: stats= must be a statistic name or a sequence of names from {STATS}; "
+            f"jaxtrace.stats: stats= must be a statistic name or a sequence of names from {_KNOWN}; "
             f"got {stats!r} of type {type(stats).__name__}. Pass e.g. stats=\"norm\" or stats=(\"norm\", \"max_abs\")."
         )
     stats = tuple(stats)
-    unknown = [s for s in stats if s not in STATS]
+    unknown = [s for s in stats if s not in _KNOWN]
     if unknown:
         raise ValueError(
-            f"jaxtrace.stats: unknown statistic(s) {', '.join(map(repr, unknown))}. Choose from {STATS}, "
+            f"jaxtrace.stats: unknown statistic(s) {', '.join(map(repr, unknown))}. Choose from {_KNOWN}, "
             "as one name or a sequence of names."
         )
     return stats
@@ -339,34 +347,58 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     dtype = jnp.result_type(*mags)
     mags = [m.astype(dtype) for m in mags]
     count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
+    empty = _is_empty(count)
+
+    # One pass, one all-reduce round when sharded: every statistic is a sum (or the max) of an
+    # elementwise function of |g|, with no data-dependent scaling before the reduction, so XLA
+    # fuses the sums into one loop over the data and combines their all-reduces (and those of
+    # the gradients). Sums of squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19)
+    # where the norm does not; each is also summed at fixed power-of-two scales (exact), and
+    # the one in range is picked after the reduction.
+    def total(fn):
+        return functools.reduce(jnp.add, [jnp.sum(fn(m), axis=ax) for m, ax in zip(mags, axes_of)])
 
     out = {}
-    # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
-    filled = [(m, ax) for m, ax in zip(mags, axes_of) if not _is_empty(math.prod(m.shape[keep:]))]
-    scale = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax) for m, ax in filled], jnp.zeros(kept_shape, dtype))
-    # Propagate nan explicitly rather than rely on how the backend's max reduction treats it.
-    any_nan = functools.reduce(jnp.logical_or, [jnp.any(jnp.isnan(m), axis=ax) for m, ax in zip(mags, axes_of)])
-    max_abs = jnp.where(any_nan, jnp.nan, scale).astype(dtype)
-    if "norm" in stats or "mean_abs" in stats:
-        # A scale only (the results do not depend on it), so no derivative goes through the max:
-        # its rule divides by how many entries equal the max, which XLA may find none of.
-        safe = lax.stop_gradient(jnp.where(jnp.isfinite(max_abs) & (max_abs > 0), max_abs, 1.0).astype(dtype))
-        expand = lambda m: jnp.reshape(safe, kept_shape + (1,) * (m.ndim - keep))  # noqa: E731
+    if "norm" in stats or "rms" in stats:
+        down, up = _SCALE**-1, _SCALE  # a huge sum from small-scaled entries, and a tiny one from large
+        mid, hi, lo = total(jnp.square), total(lambda m: jnp.square(m * down)), total(lambda m: jnp.square(m * up))
+        use_hi, use_lo = jnp.isinf(mid), mid < _TINY
+        sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
+        scale = jnp.where(use_hi, _SCALE, jnp.where(use_lo, down, 1.0)).astype(dtype)
         if "norm" in stats:
-            sq = sum(jnp.sum(jnp.square(m / expand(m)), axis=ax) for m, ax in zip(mags, axes_of))
-            norm = safe * jnp.sqrt(sq)
-            out["norm"] = jnp.where(jnp.isfinite(max_abs), norm, max_abs).astype(dtype)
-        if "mean_abs" in stats:
-            total = sum(jnp.sum(m / expand(m), axis=ax) for m, ax in zip(mags, axes_of))
-            mean = safe * total / count if not _is_empty(count) else jnp.full(kept_shape, jnp.nan, dtype)
-            out["mean_abs"] = jnp.where(jnp.isfinite(max_abs), mean, max_abs).astype(dtype)
+            out["norm"] = (scale * _sqrt(sq)).astype(dtype)
+        if "rms" in stats:
+            out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
+    if "mean_abs" in stats:
+        mid, hi = total(lambda m: m), total(lambda m: m * _SCALE**-1)
+        mean = jnp.where(jnp.isinf(mid), (hi / count) * _SCALE, mid / count) if not empty else jnp.full(kept_shape, jnp.nan)
+        out["mean_abs"] = mean.astype(dtype)
     if "max_abs" in stats:
-        out["max_abs"] = max_abs
+        # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
+        filled = [(m, ax) for m, ax in zip(mags, axes_of) if not _is_empty(math.prod(m.shape[keep:]))]
+        top = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax) for m, ax in filled], jnp.zeros(kept_shape, dtype))
+        # nan explicitly (a count, in the same round as the sums) rather than rely on how the
+        # backend's max reduction treats it.
+        nans = total(lambda m: jnp.isnan(m).astype(dtype))
+        out["max_abs"] = jnp.where(nans > 0, jnp.nan, top).astype(dtype)
     if "nonfinite" in stats:
-        # An Array: mags is never empty (sum's int start only types the empty case).
-        bad = cast(jax.Array, sum(jnp.sum(~jnp.isfinite(m), axis=ax, dtype=jnp.int32) for m, ax in zip(mags, axes_of)))
-        out["nonfinite"] = (bad / count if not _is_empty(count) else jnp.zeros(kept_shape)).astype(dtype)
+        bad = total(lambda m: (~jnp.isfinite(m)).astype(dtype))
+        out["nonfinite"] = (bad / count if not empty else jnp.zeros(kept_shape)).astype(dtype)
     return {s: out[s] for s in stats}
+
+
+_SCALE = 2.0**64
+"""A power of two: scaling by it is exact. Float32 squares of |g| * 2**-64 stay finite for every
+finite float32 |g|, and those of |g| * 2**64 stay normal down to |g| ~ 1e-19 * 2**-64."""
+_TINY = 2.0**-60
+"""Below this sum of squares (float32: all |g| < 1e-9), entries may have underflowed: the sum at
+the scale 2**64 is used."""
+
+
+def _sqrt(x):
+    """``sqrt`` of a sum of squares, with a finite derivative (not ``inf``) at 0; ``nan`` stays ``nan``."""
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1.0)), x)
 
 
 def _is_empty(count) -> bool:
@@ -420,7 +452,7 @@ def value_and_grad(
         argnums: as in ``jaxtrace.value_and_grad``.
         has_aux: as in ``jaxtrace.value_and_grad``.
         tags: as in ``jaxtrace.value_and_grad``.
-        stats: one name from ``STATS``, or a sequence of them.
+        stats: one name from ``STATS`` or ``"rms"``, or a sequence of them.
         per_example: also keep the axes of ``vmap`` inside ``fun``.
         with_values: also return the same statistics of the values at the tags.
 
@@ -431,7 +463,7 @@ def value_and_grad(
 
     Raises:
         TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind.
-        ValueError: if a name in ``stats`` is not in ``STATS``.
+        ValueError: if a name in ``stats`` is not in ``STATS`` or ``"rms"``.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
