@@ -353,25 +353,29 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     # elementwise function of |g|, with no data-dependent scaling before the reduction, so XLA
     # fuses the sums into one loop over the data and combines their all-reduces (and those of
     # the gradients). Sums of squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19)
-    # where the norm does not; each is also summed at fixed power-of-two scales (exact), and
+    # where the norm does not; they are also summed at fixed power-of-two scales (exact), and
     # the one in range is picked after the reduction.
     def total(fn):
         return functools.reduce(jnp.add, [jnp.sum(fn(m), axis=ax) for m, ax in zip(mags, axes_of)])
 
+    exponent = jnp.finfo(dtype).maxexp  # float32: 128, float64: 1024
+    # Squares of |g| * down stay finite for every finite |g|, and are used only when the plain sum
+    # overflowed (the entries they lose to underflow are ~2**-exponent of it); squares of |g| * up
+    # are used only when the plain sum is below tiny, where they cannot overflow.
+    down, up, tiny = 2.0 ** -(3 * exponent // 4), 2.0 ** (exponent // 2), 2.0 ** -(exponent // 2 - 4)
     out = {}
     if "norm" in stats or "rms" in stats:
-        down, up = _SCALE**-1, _SCALE  # a huge sum from small-scaled entries, and a tiny one from large
         mid, hi, lo = total(jnp.square), total(lambda m: jnp.square(m * down)), total(lambda m: jnp.square(m * up))
-        use_hi, use_lo = jnp.isinf(mid), mid < _TINY
+        use_hi, use_lo = jnp.isinf(mid), mid < tiny
         sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
-        scale = jnp.where(use_hi, _SCALE, jnp.where(use_lo, down, 1.0)).astype(dtype)
+        scale = jnp.where(use_hi, 1 / down, jnp.where(use_lo, 1 / up, 1.0)).astype(dtype)
         if "norm" in stats:
             out["norm"] = (scale * _sqrt(sq)).astype(dtype)
         if "rms" in stats:
             out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
     if "mean_abs" in stats:
-        mid, hi = total(lambda m: m), total(lambda m: m * _SCALE**-1)
-        mean = jnp.where(jnp.isinf(mid), (hi / count) * _SCALE, mid / count) if not empty else jnp.full(kept_shape, jnp.nan)
+        mid, hi = total(lambda m: m), total(lambda m: m * down)
+        mean = jnp.where(jnp.isinf(mid), (hi / count) / down, mid / count) if not empty else jnp.full(kept_shape, jnp.nan)
         out["mean_abs"] = mean.astype(dtype)
     if "max_abs" in stats:
         # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
@@ -385,14 +389,6 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
         bad = total(lambda m: (~jnp.isfinite(m)).astype(dtype))
         out["nonfinite"] = (bad / count if not empty else jnp.zeros(kept_shape)).astype(dtype)
     return {s: out[s] for s in stats}
-
-
-_SCALE = 2.0**64
-"""A power of two: scaling by it is exact. Float32 squares of |g| * 2**-64 stay finite for every
-finite float32 |g|, and those of |g| * 2**64 stay normal down to |g| ~ 1e-19 * 2**-64."""
-_TINY = 2.0**-60
-"""Below this sum of squares (float32: all |g| < 1e-9), entries may have underflowed: the sum at
-the scale 2**64 is used."""
 
 
 def _sqrt(x):
@@ -497,23 +493,31 @@ def value_and_grad(
 class History:
     """Host-side record of per-tag statistics across training steps.
 
-    ``append(step, stats, **scalars)`` takes what :func:`summarize` or
-    :func:`value_and_grad` returned (one device-to-host transfer) and any
-    scalars to log beside it (``loss=...``). ``history[name][stat]`` is a
-    NumPy array of shape ``(number of appends, *loop axes)``; ``history.steps``
-    holds the step numbers, ``history.scalar("loss")`` a logged scalar. A
-    tag or scalar missing from some appends reads as ``nan`` there.
+    ``append(step, stats, value_stats=None, **scalars)`` takes what
+    :func:`summarize` or :func:`value_and_grad` returned (one device-to-host
+    transfer), the statistics of the values at the tags if any
+    (``value_and_grad(..., with_values=True)``'s ``value_stats``) and any
+    scalars to log beside them (``loss=...``). ``history[name][stat]`` is a
+    NumPy array of shape ``(number of appends, *loop axes)`` of the gradient
+    statistics, ``history.values[name][stat]`` the same of the value
+    statistics; ``history.steps`` holds the step numbers,
+    ``history.scalar("loss")`` a logged scalar. A tag or scalar missing from
+    some appends reads as ``nan`` there. ``jaxtrace.plot.layer_flow`` draws
+    both, one line per scanned layer.
 
     Attributes:
         steps: the logged step numbers, a NumPy array.
+        values: the value statistics, read like the History itself (same steps and scalars).
 
     Example:
         >>> import numpy as np, jaxtrace as jt
         >>> h = jt.stats.History()
         >>> h.append(0, {"a": {"norm": np.float32(2.0)}}, loss=1.0)
-        >>> h.append(10, {"a": {"norm": np.float32(0.5)}}, loss=0.5)
+        >>> h.append(10, {"a": {"norm": np.float32(0.5)}}, {"a": {"norm": np.ones(3)}}, loss=0.5)
         >>> h.steps.tolist(), h["a"]["norm"].tolist(), h.scalar("loss").tolist()
         ([0, 10], [2.0, 0.5], [1.0, 0.5])
+        >>> h.values["a"]["norm"].shape    # (appends, layers); nan where not appended
+        (2, 3)
         >>> print(h.format())
         step 10  loss 0.5  | norm: a 0.5
     """
@@ -521,23 +525,44 @@ class History:
     def __init__(self):
         self._steps: list[int] = []
         self._stats: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+        self._value_stats: dict[str, dict[str, dict[int, np.ndarray]]] = {}
         self._scalars: dict[str, dict[int, float]] = {}
 
-    def append(self, step: int, stats: Mapping[str, Mapping[str, Any]] | None = None, **scalars) -> None:
-        stats, scalars = cast("tuple[dict[str, Any], dict[str, Any]]", jax.device_get((dict(stats or {}), scalars)))
+    def append(
+        self,
+        step: int,
+        stats: Mapping[str, Mapping[str, Any]] | None = None,
+        value_stats: Mapping[str, Mapping[str, Any]] | None = None,
+        **scalars,
+    ) -> None:
+        stats, value_stats, scalars = cast(
+            "tuple[dict[str, Any], dict[str, Any], dict[str, Any]]",
+            jax.device_get((dict(stats or {}), dict(value_stats or {}), scalars)),
+        )
         row = len(self._steps)
+        for what, table in (("stats", stats), ("value_stats", value_stats)):
+            for name, per_stat in table.items():
+                if not isinstance(per_stat, Mapping):
+                    raise TypeError(
+                        f"jaxtrace.stats.History.append: {what}[{name!r}] should be a dict {{stat: array}} "
+                        f"as summarize returns, got {type(per_stat).__name__}."
+                    )
         self._steps.append(int(step))
-        for name, per_stat in stats.items():
-            if not isinstance(per_stat, Mapping):
-                raise TypeError(
-                    f"jaxtrace.stats.History.append: stats[{name!r}] should be a dict {{stat: array}} "
-                    f"as summarize returns, got {type(per_stat).__name__}."
-                )
-            entry = self._stats.setdefault(name, {})
-            for stat, value in per_stat.items():
-                entry.setdefault(stat, {})[row] = np.asarray(value)
+        for table, into in ((stats, self._stats), (value_stats, self._value_stats)):
+            for name, per_stat in table.items():
+                entry = into.setdefault(name, {})
+                for stat, value in per_stat.items():
+                    entry.setdefault(stat, {})[row] = np.asarray(value)
         for name, value in scalars.items():
             self._scalars.setdefault(name, {})[row] = float(np.asarray(value))
+
+    @property
+    def values(self) -> History:
+        """The value statistics (``value_stats=`` of :meth:`append`), read like a History.
+
+        It shares this History's steps and scalars; append to this History, not to it.
+        """
+        return _ValueStats(self)
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -597,3 +622,19 @@ class History:
                 cells.append(f"{name or chr(34) * 2} {float(np.ravel(value)[-1]):.3g}")
         line = "  ".join(parts)
         return f"{line}  | {stat}: " + "  ".join(cells) if cells else line
+
+
+class _ValueStats(History):
+    """``History.values``: the value statistics of a History, its steps and scalars shared."""
+
+    def __init__(self, history: History):
+        self._steps = history._steps
+        self._stats = history._value_stats
+        self._value_stats = {}
+        self._scalars = history._scalars
+
+    def append(self, *args, **kwargs) -> None:
+        raise TypeError(
+            "jaxtrace.stats.History.values is a view of a History's value statistics; append to the "
+            "History itself: history.append(step, tag_stats, value_stats, loss=...)."
+        )

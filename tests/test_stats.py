@@ -28,15 +28,17 @@ def numpy_stats(value, keep):
         "mean_abs": np.mean(mags, axis=-1),
         "max_abs": np.max(mags, axis=-1),
         "nonfinite": np.mean(~np.isfinite(flat), axis=-1),
+        "rms": np.sqrt(np.mean(flat**2, axis=-1)),
     }
 
 
-def assert_stats_match(tag_stats, tag_grads, keep, rtol=1e-12):
+def assert_stats_match(tag_stats, tag_grads, keep, rtol=1e-12, names=stats.STATS):
     assert set(tag_stats) == set(tag_grads)
     for name, value in tag_grads.items():
         expected = numpy_stats(value, keep.get(name, 0))
-        assert set(tag_stats[name]) == set(stats.STATS)
-        for stat, want in expected.items():
+        assert set(tag_stats[name]) == set(names)
+        for stat in names:
+            want = expected[stat]
             got = np.asarray(tag_stats[name][stat])
             assert got.shape == want.shape, (name, stat, got.shape, want.shape)
             np.testing.assert_allclose(got, want, rtol=rtol, atol=0, err_msg=f"{name} {stat}")
@@ -122,12 +124,53 @@ def test_summarize_nonfinite_and_large_values():
     expected = numpy_stats(g, 1)
     for stat in stats.STATS:
         np.testing.assert_array_equal(np.asarray(out["g"][stat]), expected[stat], err_msg=stat)
+    rms = jax.jit(lambda g: stats.summarize({"g": g}, loop_axes=1, stats="rms"))(jnp.asarray(g))["g"]["rms"]
+    np.testing.assert_array_equal(np.asarray(rms), expected["rms"])
     # float32: finite gradients whose squares overflow still give a finite norm
     big = np.array([3e30, -4e30, 1e25], np.float32)
     out = stats.summarize({"big": jnp.asarray(big)})["big"]
     assert out["norm"].dtype == jnp.float32
     np.testing.assert_allclose(out["norm"], np.linalg.norm(big.astype(np.float64)), rtol=1e-6)
     np.testing.assert_allclose(out["mean_abs"], np.mean(np.abs(big.astype(np.float64))), rtol=1e-6)
+
+
+ALL = (*stats.STATS, "rms")
+
+FLOAT32_CASES = {
+    "ordinary": [1.5, -2.0, 0.25, 0.0],
+    "huge (squares overflow)": [3e30, -4e30, 1e25],
+    "tiny (squares underflow)": [3e-30, -4e-30, 1e-35],
+    "huge and tiny": [3e30, 1e-30, 0.0],
+    "near the float32 max": [3e38, -3e38],  # the norm itself overflows; mean and rms do not
+    "zeros": [0.0, 0.0],
+}
+
+
+@pytest.mark.parametrize("case", list(FLOAT32_CASES))
+def test_float32_sums_of_squares_out_of_range(case, maybe_jit):
+    """Accumulated in float32, squares of |g| > 1e19 overflow and of |g| < 1e-19 underflow: the sums at
+    fixed power-of-two scales, in the same pass, give the float64 numbers rounded to float32 (what the
+    max-scaling gave, with a second reduction round)."""
+    g = np.array(FLOAT32_CASES[case], np.float32)
+    out = maybe_jit(lambda g: stats.summarize({"g": g}, stats=ALL))(jnp.asarray(g))["g"]
+    want = numpy_stats(g.astype(np.float64), 0)
+    for stat in ALL:
+        assert out[stat].dtype == jnp.float32, stat
+        with np.errstate(over="ignore"):
+            expected = np.float32(want[stat])
+        np.testing.assert_allclose(np.asarray(out[stat]), expected, rtol=2e-6, atol=0, err_msg=f"{case}: {stat}")
+
+
+def test_empty_values_and_rms_in_loops(maybe_jit):
+    """No entries: norm 0, mean and rms nan, no non-finite entries; rms keeps loop axes like the rest."""
+    out = maybe_jit(lambda g: stats.summarize({"e": g}, stats=ALL, loop_axes=1))(jnp.zeros((3, 0)))["e"]
+    np.testing.assert_array_equal(out["norm"], np.zeros(3))
+    np.testing.assert_array_equal(out["max_abs"], np.zeros(3))
+    np.testing.assert_array_equal(out["nonfinite"], np.zeros(3))
+    assert np.all(np.isnan(out["mean_abs"])) and np.all(np.isnan(out["rms"]))
+    g = {"a": jnp.arange(24.0).reshape(2, 3, 4) - 7.0, "e": jnp.zeros((2, 0)), "b": jnp.ones((2, 5))}
+    out = maybe_jit(lambda g: stats.summarize({"t": g}, stats=ALL, loop_axes=1))(g)
+    assert_stats_match(out, {"t": g}, {"t": 1}, names=ALL)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -137,12 +180,17 @@ def test_summaries_differentiate_as_their_closed_forms(jit):
     (found by the property tests: a size-0 leaf made them nan)."""
     g = {"a": jnp.array([1.5, -2.0, 0.5]), "b": jnp.array([[0.25, -3.0]]), "e": jnp.zeros((0,))}
     dg = {"a": jnp.array([0.3, 0.1, -1.0]), "b": jnp.array([[2.0, 0.5]]), "e": jnp.zeros((0,))}
-    fun = lambda g: stats.summarize({"t": g}, stats=("norm", "mean_abs"))["t"]  # noqa: E731
+    fun = lambda g: stats.summarize({"t": g}, stats=("norm", "mean_abs", "rms"))["t"]  # noqa: E731
     jvp = lambda g, dg: jax.jvp(fun, (g,), (dg,))  # noqa: E731
     _, tangents = (jax.jit(jvp) if jit else jvp)(g, dg)
     flat, dflat = (jnp.concatenate([jnp.ravel(t[k]) for k in "abe"]) for t in (g, dg))
     np.testing.assert_allclose(tangents["norm"], jnp.sum(flat * dflat) / jnp.linalg.norm(flat), rtol=1e-12)
     np.testing.assert_allclose(tangents["mean_abs"], jnp.mean(jnp.sign(flat) * dflat), rtol=1e-12)
+    rms = jnp.sqrt(jnp.mean(flat**2))
+    np.testing.assert_allclose(tangents["rms"], jnp.mean(flat * dflat) / rms, rtol=1e-12)
+    # an all-zero gradient: finite tangents (sqrt's derivative at 0 is not taken)
+    _, at_zero = jax.jvp(fun, (jax.tree_util.tree_map(jnp.zeros_like, g),), (dg,))
+    assert all(np.isfinite(v) for k, v in at_zero.items() if k != "mean_abs")
 
 
 def test_dtypes_float0_and_complex():
