@@ -343,9 +343,11 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
         )
     (kept_shape,) = kept
     axes_of = [tuple(range(keep, len(s))) for s in shapes]
-    mags = [jnp.abs(_as_float(leaf)) for leaf in leaves]
-    dtype = jnp.result_type(*mags)
-    mags = [m.astype(dtype) for m in mags]
+    floats = [_as_float(leaf) for leaf in leaves]
+    dtype = jnp.result_type(*[jnp.finfo(f.dtype).dtype for f in floats])  # complex64 -> float32
+    # |g| where a statistic needs it; the squares come from g itself (no |g| array to keep for them)
+    mags = [jnp.abs(f).astype(dtype) for f in floats] if {"mean_abs", "max_abs", "nonfinite"} & set(stats) else []
+    reals = [f.astype(dtype) if not jnp.iscomplexobj(f) else None for f in floats]
     count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
     empty = _is_empty(count)
 
@@ -358,6 +360,11 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     def total(fn):
         return functools.reduce(jnp.add, [jnp.sum(fn(m), axis=ax) for m, ax in zip(mags, axes_of)])
 
+    def total_sq(scale):  # sum of |g * scale|**2, from g (complex: from |g|)
+        sq = lambda v: jnp.square(v * scale) if scale != 1 else jnp.square(v)  # noqa: E731
+        parts = [jnp.sum(sq(r if r is not None else jnp.abs(f).astype(dtype)), axis=ax) for r, f, ax in zip(reals, floats, axes_of)]
+        return functools.reduce(jnp.add, parts)
+
     exponent = jnp.finfo(dtype).maxexp  # float32: 128, float64: 1024
     # Squares of |g| * down stay finite for every finite |g|, and are used only when the plain sum
     # overflowed (the entries they lose to underflow are ~2**-exponent of it); squares of |g| * up
@@ -365,26 +372,32 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     down, up, tiny = 2.0 ** -(3 * exponent // 4), 2.0 ** (exponent // 2), 2.0 ** -(exponent // 2 - 4)
     out = {}
     if "norm" in stats or "rms" in stats:
-        mid, hi, lo = total(jnp.square), total(lambda m: jnp.square(m * down)), total(lambda m: jnp.square(m * up))
+        mid, hi, lo = total_sq(1), total_sq(down), total_sq(up)
         use_hi, use_lo = jnp.isinf(mid), mid < tiny
-        sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
+        sq, mid_sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid)), mid
         scale = jnp.where(use_hi, 1 / down, jnp.where(use_lo, 1 / up, 1.0)).astype(dtype)
         if "norm" in stats:
             out["norm"] = (scale * _sqrt(sq)).astype(dtype)
         if "rms" in stats:
             out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
     if "mean_abs" in stats:
-        mid, hi = total(lambda m: m), total(lambda m: m * down)
-        mean = jnp.where(jnp.isinf(mid), (hi / count) / down, mid / count) if not empty else jnp.full(kept_shape, jnp.nan)
+        mid_abs, hi = total(lambda m: m), total(lambda m: m * down)
+        mean = jnp.where(jnp.isinf(mid_abs), (hi / count) / down, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
         out["mean_abs"] = mean.astype(dtype)
     if "max_abs" in stats:
         # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
         filled = [(m, ax) for m, ax in zip(mags, axes_of) if not _is_empty(math.prod(m.shape[keep:]))]
         top = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax) for m, ax in filled], jnp.zeros(kept_shape, dtype))
-        # nan explicitly (a count, in the same round as the sums) rather than rely on how the
-        # backend's max reduction treats it.
-        nans = total(lambda m: jnp.isnan(m).astype(dtype))
-        out["max_abs"] = jnp.where(nans > 0, jnp.nan, top).astype(dtype)
+        # nan explicitly rather than rely on how the backend's max reduction treats it: a sum
+        # computed anyway is nan exactly when an entry is (inf + nan is nan), else a count of them,
+        # in the same round as the sums.
+        if "norm" in stats or "rms" in stats:
+            any_nan = jnp.isnan(mid_sq)
+        elif "mean_abs" in stats:
+            any_nan = jnp.isnan(mid_abs)
+        else:
+            any_nan = total(lambda m: jnp.isnan(m).astype(dtype)) > 0
+        out["max_abs"] = jnp.where(any_nan, jnp.nan, top).astype(dtype)
     if "nonfinite" in stats:
         bad = total(lambda m: (~jnp.isfinite(m)).astype(dtype))
         out["nonfinite"] = (bad / count if not empty else jnp.zeros(kept_shape)).astype(dtype)
