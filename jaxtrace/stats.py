@@ -12,8 +12,9 @@ gradient to
 - ``"rms"`` (on request, not in ``STATS``): ``sqrt(mean(g**2))``,
 
 inside the traced function, each a sum or a max over the entries with no data-dependent
-scaling before it: one fused loop over the data per tag and, when sharded, one all-reduce
-round (XLA combines the sums with the gradients' own all-reduces), so under ``jax.jit`` the full cotangents are
+scaling before it: reductions of one array that XLA may fuse into one loop (XLA:CPU runs
+them one after another) and, when sharded, one all-reduce round (XLA combines the sums with
+the gradients' own all-reduces), so under ``jax.jit`` the full cotangents are
 never outputs of the compiled program (XLA drops them). A pytree-valued tag
 is summarised as one vector of all its leaves. :func:`value_and_grad` does
 the differentiation and the summary in one call and keeps each tag's loop
@@ -351,10 +352,10 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
     empty = _is_empty(count)
 
-    # One pass, one all-reduce round when sharded: every statistic is a sum (or the max) of an
-    # elementwise function of |g|, with no data-dependent scaling before the reduction, so XLA
-    # fuses the sums into one loop over the data and combines their all-reduces (and those of
-    # the gradients). Sums of squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19)
+    # One all-reduce round when sharded: every statistic is a sum (or the max) of an elementwise
+    # function of g, with no data-dependent scaling before the reduction, so the reductions are
+    # independent (XLA may fuse them into one loop; XLA:CPU runs them one by one) and XLA
+    # combines their all-reduces with the gradients'. Sums of squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19)
     # where the norm does not; they are also summed at fixed power-of-two scales (exact), and
     # the one in range is picked after the reduction.
     def total(fn):
