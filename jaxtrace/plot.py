@@ -1,4 +1,5 @@
-"""Pictures of gradients: gradient flow over training, per-timestep norms, heatmap overlays.
+"""Pictures of gradients: gradient flow over training, per-layer activation and gradient norms,
+per-timestep norms, heatmap overlays.
 
 Needs matplotlib (``pip install -e ".[plot]"`` from a checkout); the rest of jaxtrace
 never imports it. Figures are drawn with matplotlib's Agg canvas, without
@@ -36,7 +37,7 @@ except ImportError as error:  # pragma: no cover - exercised without matplotlib
         '`pip install -e ".[plot]"` from a jaxtrace checkout (or `pip install matplotlib`).'
     ) from error
 
-__all__ = ["grad_flow", "timestep_norms", "overlay", "paths"]
+__all__ = ["grad_flow", "layer_flow", "timestep_norms", "overlay", "paths"]
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -139,6 +140,84 @@ def grad_flow(
     ax_bars.set_xticks(x, names, rotation=45 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
     ax_bars.set_title(f"{'|g|' if {'mean_abs', 'max_abs'} <= available else stat} per tag at step {steps[last]}")
     ax_bars.grid(True, axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    return _finish(fig, path)
+
+
+def layer_flow(
+    history,
+    stat: str = "norm",
+    names: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    path: str | os.PathLike | None = None,
+) -> Figure:
+    """Per-layer activation and gradient statistics over training, one line per scanned layer.
+
+    Left: ``stat`` of the values at the tags (``history.values``, appended as
+    ``value_stats`` from ``jt.stats.value_and_grad(..., with_values=True)``);
+    right: of the gradients there (``history``). A panel without statistics is
+    left out. A tag with loop axes (a stack of layers run by ``lax.scan``: one
+    entry per layer) gives one line per entry, labelled ``name[i]``, coloured
+    from dark (the first layer) to light (the last); a tag in plain code, one
+    line. Log scale; non-positive and non-finite entries are gaps.
+
+    Args:
+        history: a ``jaxtrace.stats.History``.
+        stat: the statistic to draw.
+        names: the tags to draw, in order (default: all, in each panel).
+        title: the figure's title.
+        path: where to save the figure too (any format matplotlib writes).
+
+    Returns:
+        The matplotlib ``Figure``.
+
+    Example:
+        >>> import numpy as np, jaxtrace as jt
+        >>> from jaxtrace import plot
+        >>> h = jt.stats.History()
+        >>> for step in range(3):   # a 4-layer scanned stack: one norm per layer
+        ...     h.append(step, {"layer": {"norm": np.full(4, 0.1)}}, {"layer": {"norm": np.arange(1.0, 5.0)}})
+        >>> fig = plot.layer_flow(h)
+        >>> [(ax.get_title(), len(ax.lines)) for ax in fig.axes]
+        [('activation norm per layer', 4), ('gradient norm per layer', 4)]
+    """
+    panels = [
+        (table, kind)
+        for table, kind in ((history.values, "activation"), (history, "gradient"))
+        if (table.names if names is None else [n for n in names if n in table])
+    ]
+    if not panels:
+        raise ValueError(
+            "jaxtrace.plot.layer_flow: the History holds no statistics of these tags yet; append the "
+            "tag_stats and value_stats of jt.stats.value_and_grad(..., with_values=True) first."
+        )
+    steps = history.steps
+    fig = _figure(5.5 * len(panels) + 1.5, 4.2)
+    axes = np.atleast_1d(fig.subplots(1, len(panels), squeeze=False)).ravel()
+    for ax, (table, kind) in zip(axes, panels):
+        lines = []
+        for name in table.names if names is None else [n for n in names if n in table]:
+            if stat not in table[name]:
+                continue
+            values = np.asarray(table.array(name, stat), dtype=np.float64)
+            if values.ndim == 1:
+                lines.append((name or '""', values))
+                continue
+            per_layer = values.reshape(len(values), -1)
+            index = list(np.ndindex(*values.shape[1:]))
+            for i, column in zip(index, per_layer.T):
+                lines.append((f"{name or chr(34) * 2}[{', '.join(map(str, i))}]", column))
+        for (label, column), color in zip(lines, _colors(len(lines))):
+            ax.plot(steps, _positive(column), color=color, lw=1.6, label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("training step")
+        ax.set_ylabel(f"{kind} {stat}")
+        ax.set_title(f"{kind} {stat} per layer")
+        ax.grid(True, which="major", alpha=0.3)
+        if 0 < len(lines) <= 12:
+            ax.legend(fontsize=7, frameon=False)
     if title:
         fig.suptitle(title)
     return _finish(fig, path)

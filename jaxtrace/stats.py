@@ -9,8 +9,12 @@ gradient to
 - ``"mean_abs"``: the mean of ``|g|``,
 - ``"max_abs"``: the largest ``|g|``,
 - ``"nonfinite"``: the fraction of entries that are ``nan`` or ``inf``,
+- ``"rms"`` (on request, not in ``STATS``): ``sqrt(mean(g**2))``,
 
-inside the traced function, so under ``jax.jit`` the full cotangents are
+inside the traced function, each a sum or a max over the entries with no data-dependent
+scaling before it: reductions of one array that XLA may fuse into one loop (XLA:CPU runs
+them one after another) and, when sharded, one all-reduce round (XLA combines the sums with
+the gradients' own all-reduces), so under ``jax.jit`` the full cotangents are
 never outputs of the compiled program (XLA drops them). A pytree-valued tag
 is summarised as one vector of all its leaves. :func:`value_and_grad` does
 the differentiation and the summary in one call and keeps each tag's loop
@@ -43,7 +47,6 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from ._ad import jacrev as _jacrev
 from ._ad import value_and_grad_with_sites as _value_and_grad_with_sites
@@ -51,7 +54,9 @@ from ._module_tags import path_name as _path_name
 from ._sites import TagSelection, check_callable, check_tags
 
 STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
-"""The statistics :func:`summarize` computes by default (all it knows)."""
+"""The statistics :func:`summarize` computes by default; ``"rms"`` is computed when asked for."""
+
+_KNOWN = (*STATS, "rms")
 
 LoopAxes = Union[int, Mapping[str, int], Callable[[str], int]]
 
@@ -78,11 +83,15 @@ def summarize(
     a ``vmap`` gives one per step and example.
     :func:`value_and_grad` fills in the loop axes from the program itself.
 
-    Norm, mean and max follow NumPy on non-finite input (``nan`` if any entry
-    is ``nan``, else ``inf`` if any is ``inf``); the norm is computed scaled
-    by the max, so it does not overflow for large finite gradients. The
-    results have the gradient's real dtype, at least float32. A ``float0``
-    leaf (the gradient of an integer tag) counts as zeros.
+    Norm, rms, mean and max follow NumPy on non-finite input (``nan`` if any
+    entry is ``nan``, else ``inf`` if any is ``inf``). The results have the
+    gradient's real dtype, at least float32, and are accumulated in it: the
+    sums of squares are also taken at two fixed power-of-two scales in the
+    same pass (exact), and the one in range is used, so large finite float32
+    gradients (``|g| > 1e19``, whose squares overflow) and tiny ones (``|g| <
+    1e-19``, whose squares underflow) still give the right norm. A tag with
+    no entries has norm 0 and mean and rms ``nan``. A ``float0`` leaf (the
+    gradient of an integer tag) counts as zeros.
 
     With ``terms``, ``values`` is the ``tag_jacs`` of :func:`jaxtrace.jacrev`
     and ``terms`` the function's output (or ``jax.eval_shape`` of it): each
@@ -99,7 +108,7 @@ def summarize(
             ``tag_jacs`` of ``jaxtrace.jacrev`` with ``terms``.
         loop_axes: how many leading axes of each tag to keep: an int, a dict
             ``{name: int}`` (missing names: 0) or a function of the name.
-        stats: one name from ``STATS``, or a sequence of them.
+        stats: one name from ``STATS`` or ``"rms"``, or a sequence of them.
         terms: the function's output (or ``jax.eval_shape`` of it), to summarise
             ``tag_jacs`` per output leaf.
 
@@ -107,7 +116,7 @@ def summarize(
         ``{name: {stat: array}}``, or with ``terms`` ``{name: {term: {stat: array}}}``.
 
     Raises:
-        ValueError: if a name in ``stats`` is not in ``STATS``.
+        ValueError: if a name in ``stats`` is not in ``STATS`` or ``"rms"``.
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -292,14 +301,14 @@ def _stat_names(stats: str | Sequence[str]) -> tuple:
         stats = (stats,)
     elif isinstance(stats, (bytes, bytearray)) or not isinstance(stats, Iterable):
         raise TypeError(
-            f"jaxtrace.stats: stats= must be a statistic name or a sequence of names from {STATS}; "
+            f"jaxtrace.stats: stats= must be a statistic name or a sequence of names from {_KNOWN}; "
             f"got {stats!r} of type {type(stats).__name__}. Pass e.g. stats=\"norm\" or stats=(\"norm\", \"max_abs\")."
         )
     stats = tuple(stats)
-    unknown = [s for s in stats if s not in STATS]
+    unknown = [s for s in stats if s not in _KNOWN]
     if unknown:
         raise ValueError(
-            f"jaxtrace.stats: unknown statistic(s) {', '.join(map(repr, unknown))}. Choose from {STATS}, "
+            f"jaxtrace.stats: unknown statistic(s) {', '.join(map(repr, unknown))}. Choose from {_KNOWN}, "
             "as one name or a sequence of names."
         )
     return stats
@@ -335,38 +344,71 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
         )
     (kept_shape,) = kept
     axes_of = [tuple(range(keep, len(s))) for s in shapes]
-    mags = [jnp.abs(_as_float(leaf)) for leaf in leaves]
-    dtype = jnp.result_type(*mags)
-    mags = [m.astype(dtype) for m in mags]
+    floats = [_as_float(leaf) for leaf in leaves]
+    dtype = jnp.result_type(*[jnp.finfo(f.dtype).dtype for f in floats])  # complex64 -> float32
+    # |g| where a statistic needs it; the squares come from g itself (no |g| array to keep for them)
+    mags = [jnp.abs(f).astype(dtype) for f in floats] if {"mean_abs", "max_abs", "nonfinite"} & set(stats) else []
+    reals = [f.astype(dtype) if not jnp.iscomplexobj(f) else None for f in floats]
     count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
+    empty = _is_empty(count)
 
+    # One all-reduce round when sharded: every statistic is a sum (or the max) of an elementwise
+    # function of g, with no data-dependent scaling before the reduction, so the reductions are
+    # independent (XLA may fuse them into one loop; XLA:CPU runs them one by one) and XLA
+    # combines their all-reduces with the gradients'. Sums of squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19)
+    # where the norm does not; they are also summed at fixed power-of-two scales (exact), and
+    # the one in range is picked after the reduction.
+    def total(fn):
+        return functools.reduce(jnp.add, [jnp.sum(fn(m), axis=ax) for m, ax in zip(mags, axes_of)])
+
+    def total_sq(scale):  # sum of |g * scale|**2, from g (complex: from |g|)
+        sq = lambda v: jnp.square(v * scale) if scale != 1 else jnp.square(v)  # noqa: E731
+        parts = [jnp.sum(sq(r if r is not None else jnp.abs(f).astype(dtype)), axis=ax) for r, f, ax in zip(reals, floats, axes_of)]
+        return functools.reduce(jnp.add, parts)
+
+    exponent = jnp.finfo(dtype).maxexp  # float32: 128, float64: 1024
+    # Squares of |g| * down stay finite for every finite |g|, and are used only when the plain sum
+    # overflowed (the entries they lose to underflow are ~2**-exponent of it); squares of |g| * up
+    # are used only when the plain sum is below tiny, where they cannot overflow.
+    down, up, tiny = 2.0 ** -(3 * exponent // 4), 2.0 ** (exponent // 2), 2.0 ** -(exponent // 2 - 4)
     out = {}
-    # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
-    filled = [(m, ax) for m, ax in zip(mags, axes_of) if not _is_empty(math.prod(m.shape[keep:]))]
-    scale = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax) for m, ax in filled], jnp.zeros(kept_shape, dtype))
-    # Propagate nan explicitly rather than rely on how the backend's max reduction treats it.
-    any_nan = functools.reduce(jnp.logical_or, [jnp.any(jnp.isnan(m), axis=ax) for m, ax in zip(mags, axes_of)])
-    max_abs = jnp.where(any_nan, jnp.nan, scale).astype(dtype)
-    if "norm" in stats or "mean_abs" in stats:
-        # A scale only (the results do not depend on it), so no derivative goes through the max:
-        # its rule divides by how many entries equal the max, which XLA may find none of.
-        safe = lax.stop_gradient(jnp.where(jnp.isfinite(max_abs) & (max_abs > 0), max_abs, 1.0).astype(dtype))
-        expand = lambda m: jnp.reshape(safe, kept_shape + (1,) * (m.ndim - keep))  # noqa: E731
+    if "norm" in stats or "rms" in stats:
+        mid, hi, lo = total_sq(1), total_sq(down), total_sq(up)
+        use_hi, use_lo = jnp.isinf(mid), mid < tiny
+        sq, mid_sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid)), mid
+        scale = jnp.where(use_hi, 1 / down, jnp.where(use_lo, 1 / up, 1.0)).astype(dtype)
         if "norm" in stats:
-            sq = sum(jnp.sum(jnp.square(m / expand(m)), axis=ax) for m, ax in zip(mags, axes_of))
-            norm = safe * jnp.sqrt(sq)
-            out["norm"] = jnp.where(jnp.isfinite(max_abs), norm, max_abs).astype(dtype)
-        if "mean_abs" in stats:
-            total = sum(jnp.sum(m / expand(m), axis=ax) for m, ax in zip(mags, axes_of))
-            mean = safe * total / count if not _is_empty(count) else jnp.full(kept_shape, jnp.nan, dtype)
-            out["mean_abs"] = jnp.where(jnp.isfinite(max_abs), mean, max_abs).astype(dtype)
+            out["norm"] = (scale * _sqrt(sq)).astype(dtype)
+        if "rms" in stats:
+            out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
+    if "mean_abs" in stats:
+        mid_abs, hi = total(lambda m: m), total(lambda m: m * down)
+        mean = jnp.where(jnp.isinf(mid_abs), (hi / count) / down, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
+        out["mean_abs"] = mean.astype(dtype)
     if "max_abs" in stats:
-        out["max_abs"] = max_abs
+        # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
+        filled = [(m, ax) for m, ax in zip(mags, axes_of) if not _is_empty(math.prod(m.shape[keep:]))]
+        top = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax) for m, ax in filled], jnp.zeros(kept_shape, dtype))
+        # nan explicitly rather than rely on how the backend's max reduction treats it: a sum
+        # computed anyway is nan exactly when an entry is (inf + nan is nan), else a count of them,
+        # in the same round as the sums.
+        if "norm" in stats or "rms" in stats:
+            any_nan = jnp.isnan(mid_sq)
+        elif "mean_abs" in stats:
+            any_nan = jnp.isnan(mid_abs)
+        else:
+            any_nan = total(lambda m: jnp.isnan(m).astype(dtype)) > 0
+        out["max_abs"] = jnp.where(any_nan, jnp.nan, top).astype(dtype)
     if "nonfinite" in stats:
-        # An Array: mags is never empty (sum's int start only types the empty case).
-        bad = cast(jax.Array, sum(jnp.sum(~jnp.isfinite(m), axis=ax, dtype=jnp.int32) for m, ax in zip(mags, axes_of)))
-        out["nonfinite"] = (bad / count if not _is_empty(count) else jnp.zeros(kept_shape)).astype(dtype)
+        bad = total(lambda m: (~jnp.isfinite(m)).astype(dtype))
+        out["nonfinite"] = (bad / count if not empty else jnp.zeros(kept_shape)).astype(dtype)
     return {s: out[s] for s in stats}
+
+
+def _sqrt(x):
+    """``sqrt`` of a sum of squares, with a finite derivative (not ``inf``) at 0; ``nan`` stays ``nan``."""
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1.0)), x)
 
 
 def _is_empty(count) -> bool:
@@ -420,7 +462,7 @@ def value_and_grad(
         argnums: as in ``jaxtrace.value_and_grad``.
         has_aux: as in ``jaxtrace.value_and_grad``.
         tags: as in ``jaxtrace.value_and_grad``.
-        stats: one name from ``STATS``, or a sequence of them.
+        stats: one name from ``STATS`` or ``"rms"``, or a sequence of them.
         per_example: also keep the axes of ``vmap`` inside ``fun``.
         with_values: also return the same statistics of the values at the tags.
 
@@ -431,7 +473,7 @@ def value_and_grad(
 
     Raises:
         TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind.
-        ValueError: if a name in ``stats`` is not in ``STATS``.
+        ValueError: if a name in ``stats`` is not in ``STATS`` or ``"rms"``.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
@@ -465,23 +507,31 @@ def value_and_grad(
 class History:
     """Host-side record of per-tag statistics across training steps.
 
-    ``append(step, stats, **scalars)`` takes what :func:`summarize` or
-    :func:`value_and_grad` returned (one device-to-host transfer) and any
-    scalars to log beside it (``loss=...``). ``history[name][stat]`` is a
-    NumPy array of shape ``(number of appends, *loop axes)``; ``history.steps``
-    holds the step numbers, ``history.scalar("loss")`` a logged scalar. A
-    tag or scalar missing from some appends reads as ``nan`` there.
+    ``append(step, stats, value_stats=None, **scalars)`` takes what
+    :func:`summarize` or :func:`value_and_grad` returned (one device-to-host
+    transfer), the statistics of the values at the tags if any
+    (``value_and_grad(..., with_values=True)``'s ``value_stats``) and any
+    scalars to log beside them (``loss=...``). ``history[name][stat]`` is a
+    NumPy array of shape ``(number of appends, *loop axes)`` of the gradient
+    statistics, ``history.values[name][stat]`` the same of the value
+    statistics; ``history.steps`` holds the step numbers,
+    ``history.scalar("loss")`` a logged scalar. A tag or scalar missing from
+    some appends reads as ``nan`` there. ``jaxtrace.plot.layer_flow`` draws
+    both, one line per scanned layer.
 
     Attributes:
         steps: the logged step numbers, a NumPy array.
+        values: the value statistics, read like the History itself (same steps and scalars).
 
     Example:
         >>> import numpy as np, jaxtrace as jt
         >>> h = jt.stats.History()
         >>> h.append(0, {"a": {"norm": np.float32(2.0)}}, loss=1.0)
-        >>> h.append(10, {"a": {"norm": np.float32(0.5)}}, loss=0.5)
+        >>> h.append(10, {"a": {"norm": np.float32(0.5)}}, {"a": {"norm": np.ones(3)}}, loss=0.5)
         >>> h.steps.tolist(), h["a"]["norm"].tolist(), h.scalar("loss").tolist()
         ([0, 10], [2.0, 0.5], [1.0, 0.5])
+        >>> h.values["a"]["norm"].shape    # (appends, layers); nan where not appended
+        (2, 3)
         >>> print(h.format())
         step 10  loss 0.5  | norm: a 0.5
     """
@@ -489,23 +539,44 @@ class History:
     def __init__(self):
         self._steps: list[int] = []
         self._stats: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+        self._value_stats: dict[str, dict[str, dict[int, np.ndarray]]] = {}
         self._scalars: dict[str, dict[int, float]] = {}
 
-    def append(self, step: int, stats: Mapping[str, Mapping[str, Any]] | None = None, **scalars) -> None:
-        stats, scalars = cast("tuple[dict[str, Any], dict[str, Any]]", jax.device_get((dict(stats or {}), scalars)))
+    def append(
+        self,
+        step: int,
+        stats: Mapping[str, Mapping[str, Any]] | None = None,
+        value_stats: Mapping[str, Mapping[str, Any]] | None = None,
+        **scalars,
+    ) -> None:
+        stats, value_stats, scalars = cast(
+            "tuple[dict[str, Any], dict[str, Any], dict[str, Any]]",
+            jax.device_get((dict(stats or {}), dict(value_stats or {}), scalars)),
+        )
         row = len(self._steps)
+        for what, table in (("stats", stats), ("value_stats", value_stats)):
+            for name, per_stat in table.items():
+                if not isinstance(per_stat, Mapping):
+                    raise TypeError(
+                        f"jaxtrace.stats.History.append: {what}[{name!r}] should be a dict {{stat: array}} "
+                        f"as summarize returns, got {type(per_stat).__name__}."
+                    )
         self._steps.append(int(step))
-        for name, per_stat in stats.items():
-            if not isinstance(per_stat, Mapping):
-                raise TypeError(
-                    f"jaxtrace.stats.History.append: stats[{name!r}] should be a dict {{stat: array}} "
-                    f"as summarize returns, got {type(per_stat).__name__}."
-                )
-            entry = self._stats.setdefault(name, {})
-            for stat, value in per_stat.items():
-                entry.setdefault(stat, {})[row] = np.asarray(value)
+        for table, into in ((stats, self._stats), (value_stats, self._value_stats)):
+            for name, per_stat in table.items():
+                entry = into.setdefault(name, {})
+                for stat, value in per_stat.items():
+                    entry.setdefault(stat, {})[row] = np.asarray(value)
         for name, value in scalars.items():
             self._scalars.setdefault(name, {})[row] = float(np.asarray(value))
+
+    @property
+    def values(self) -> History:
+        """The value statistics (``value_stats=`` of :meth:`append`), read like a History.
+
+        It shares this History's steps and scalars; append to this History, not to it.
+        """
+        return _ValueStats(self)
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -565,3 +636,19 @@ class History:
                 cells.append(f"{name or chr(34) * 2} {float(np.ravel(value)[-1]):.3g}")
         line = "  ".join(parts)
         return f"{line}  | {stat}: " + "  ".join(cells) if cells else line
+
+
+class _ValueStats(History):
+    """``History.values``: the value statistics of a History, its steps and scalars shared."""
+
+    def __init__(self, history: History):
+        self._steps = history._steps
+        self._stats = history._value_stats
+        self._value_stats = {}
+        self._scalars = history._scalars
+
+    def append(self, *args, **kwargs) -> None:
+        raise TypeError(
+            "jaxtrace.stats.History.values is a view of a History's value statistics; append to the "
+            "History itself: history.append(step, tag_stats, value_stats, loss=...)."
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -228,6 +229,76 @@ def nested_jit_keeps_shardings():
         close(tag_grads["a"], 2 * a, "a")
         close(tag_grads["h"], 2 * a * (1 - a**2), "h")
         close(grads, plain, "w")
+
+
+
+# --- statistics: one all-reduce round ----------------------------------------------
+
+
+def all_reduces(compiled_text):
+    """The all-reduce ops of a compiled HLO module (a combined one, over a tuple, counts once)."""
+    pattern = re.compile(r"\s*(ROOT\s+)?%\S+\s*=.*\sall-reduce(-start)?\(")
+    return sum(1 for line in compiled_text.splitlines() if pattern.match(line))
+
+
+def hand_stats(g, stats):
+    """The hand-written statistics of one tag gradient: sums and a max of |g|, no scaling."""
+    a = jnp.abs(g)
+    table = {
+        "norm": lambda: jnp.sqrt(jnp.sum(a**2)),
+        "rms": lambda: jnp.sqrt(jnp.mean(a**2)),
+        "mean_abs": lambda: jnp.mean(a),
+        "max_abs": lambda: jnp.max(a),
+        "nonfinite": lambda: jnp.mean(~jnp.isfinite(a)),
+    }
+    return {s: table[s]() for s in stats}
+
+
+@check
+def stats_one_all_reduce_round():
+    """A sharded jt.stats step has no more all-reduces than sqrt(sum(g**2)) written by hand.
+
+    Data parallel (the batch over all 8 devices) and 4x2 tensor parallel (Megatron-style
+    w1/w2, the batch over 'data'), stats="norm" and all statistics, float32: the compiled
+    HLO's all-reduce count, and the numbers, against the hand-written program with the same
+    statistics (the + eps oracle, its tag gradients reduced by hand).
+    """
+    layouts = {
+        "data parallel": ({"w1": P(), "b1": P(), "w2": P()}, P(("data", "model"))),
+        "tensor parallel 4x2": ({"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}, P("data")),
+    }
+    f32 = lambda tree: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)  # noqa: E731
+    params32, x32, y32 = f32((PARAMS, X, Y))
+    loss = lambda p, x, y: mlp_loss(p, x, y, jt.tag, lambda h: h)  # noqa: E731
+
+    def hand(stats):
+        def step(p, x, y):
+            eps = {"h": jnp.zeros((16, 4), jnp.float32), "out": jnp.zeros((16, 2), jnp.float32)}
+            marked = lambda p, e: mlp_loss(p, x, y, lambda v, n: v + e[n], lambda v: v)  # noqa: E731
+            value, (grads, tag_grads) = jax.value_and_grad(marked, argnums=(0, 1))(p, eps)
+            return value, grads, {n: hand_stats(g, stats) for n, g in tag_grads.items()}
+
+        return step
+
+    def ours(stats):
+        def step(p, x, y):
+            value, (grads, tag_stats) = jt.stats.value_and_grad(loss, stats=stats)(p, x, y)
+            return value, grads, tag_stats
+
+        return step
+
+    mesh = mesh2d()
+    for layout, (param_specs, batch_spec) in layouts.items():
+        params = put(params32, mesh, param_specs)
+        x, y = put((x32, y32), mesh, (batch_spec, batch_spec))
+        for stats in (("norm",), ("norm", "rms", "mean_abs", "max_abs", "nonfinite")):
+            want_step, got_step = jax.jit(hand(stats)), jax.jit(ours(stats))
+            want_n = all_reduces(want_step.lower(params, x, y).compile().as_text())
+            got_n = all_reduces(got_step.lower(params, x, y).compile().as_text())
+            assert 1 <= got_n <= want_n, f"{layout}, stats={stats}: {got_n} all-reduces, the hand program {want_n}"
+            want, got = want_step(params, x, y), got_step(params, x, y)
+            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, err_msg=f"{layout}, {stats}")
 
 
 # --- shard_map -------------------------------------------------------------------

@@ -76,8 +76,9 @@ def test_pages_have_blocks():
     assert sum(len(python_blocks(page)) for page in PAGES) >= 15
 
 
-# The three longest pages (7-15 s each): their blocks run with --long, as .ci/run does.
-LONG_PAGES = {"coming-from-transformerlens.md", "coming-from-captum.md", "coming-from-perturb.md"}
+# The longest pages (7-15 s each): their blocks run with --long, as .ci/run does. training-statistics.md
+# compiles the loss-spike recipe (tests/test_stats.py runs its first block by default).
+LONG_PAGES = {"coming-from-transformerlens.md", "coming-from-captum.md", "coming-from-perturb.md", "training-statistics.md"}
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ CHECKS = [
     "shard_map_replicated_value",
     "shard_map_forward_side",
     "shard_map_partial_manual_vjp",
+    "stats_one_all_reduce_round",
 ]
 
 

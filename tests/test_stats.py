@@ -28,15 +28,17 @@ def numpy_stats(value, keep):
         "mean_abs": np.mean(mags, axis=-1),
         "max_abs": np.max(mags, axis=-1),
         "nonfinite": np.mean(~np.isfinite(flat), axis=-1),
+        "rms": np.sqrt(np.mean(flat**2, axis=-1)),
     }
 
 
-def assert_stats_match(tag_stats, tag_grads, keep, rtol=1e-12):
+def assert_stats_match(tag_stats, tag_grads, keep, rtol=1e-12, names=stats.STATS):
     assert set(tag_stats) == set(tag_grads)
     for name, value in tag_grads.items():
         expected = numpy_stats(value, keep.get(name, 0))
-        assert set(tag_stats[name]) == set(stats.STATS)
-        for stat, want in expected.items():
+        assert set(tag_stats[name]) == set(names)
+        for stat in names:
+            want = expected[stat]
             got = np.asarray(tag_stats[name][stat])
             assert got.shape == want.shape, (name, stat, got.shape, want.shape)
             np.testing.assert_allclose(got, want, rtol=rtol, atol=0, err_msg=f"{name} {stat}")
@@ -122,12 +124,53 @@ def test_summarize_nonfinite_and_large_values():
     expected = numpy_stats(g, 1)
     for stat in stats.STATS:
         np.testing.assert_array_equal(np.asarray(out["g"][stat]), expected[stat], err_msg=stat)
+    rms = jax.jit(lambda g: stats.summarize({"g": g}, loop_axes=1, stats="rms"))(jnp.asarray(g))["g"]["rms"]
+    np.testing.assert_array_equal(np.asarray(rms), expected["rms"])
     # float32: finite gradients whose squares overflow still give a finite norm
     big = np.array([3e30, -4e30, 1e25], np.float32)
     out = stats.summarize({"big": jnp.asarray(big)})["big"]
     assert out["norm"].dtype == jnp.float32
     np.testing.assert_allclose(out["norm"], np.linalg.norm(big.astype(np.float64)), rtol=1e-6)
     np.testing.assert_allclose(out["mean_abs"], np.mean(np.abs(big.astype(np.float64))), rtol=1e-6)
+
+
+ALL = (*stats.STATS, "rms")
+
+FLOAT32_CASES = {
+    "ordinary": [1.5, -2.0, 0.25, 0.0],
+    "huge (squares overflow)": [3e30, -4e30, 1e25],
+    "tiny (squares underflow)": [3e-30, -4e-30, 1e-35],
+    "huge and tiny": [3e30, 1e-30, 0.0],
+    "near the float32 max": [3e38, -3e38],  # the norm itself overflows; mean and rms do not
+    "zeros": [0.0, 0.0],
+}
+
+
+@pytest.mark.parametrize("case", list(FLOAT32_CASES))
+def test_float32_sums_of_squares_out_of_range(case, maybe_jit):
+    """Accumulated in float32, squares of |g| > 1e19 overflow and of |g| < 1e-19 underflow: the sums at
+    fixed power-of-two scales, in the same pass, give the float64 numbers rounded to float32 (what the
+    max-scaling gave, with a second reduction round)."""
+    g = np.array(FLOAT32_CASES[case], np.float32)
+    out = maybe_jit(lambda g: stats.summarize({"g": g}, stats=ALL))(jnp.asarray(g))["g"]
+    want = numpy_stats(g.astype(np.float64), 0)
+    for stat in ALL:
+        assert out[stat].dtype == jnp.float32, stat
+        with np.errstate(over="ignore"):
+            expected = np.float32(want[stat])
+        np.testing.assert_allclose(np.asarray(out[stat]), expected, rtol=2e-6, atol=0, err_msg=f"{case}: {stat}")
+
+
+def test_empty_values_and_rms_in_loops(maybe_jit):
+    """No entries: norm 0, mean and rms nan, no non-finite entries; rms keeps loop axes like the rest."""
+    out = maybe_jit(lambda g: stats.summarize({"e": g}, stats=ALL, loop_axes=1))(jnp.zeros((3, 0)))["e"]
+    np.testing.assert_array_equal(out["norm"], np.zeros(3))
+    np.testing.assert_array_equal(out["max_abs"], np.zeros(3))
+    np.testing.assert_array_equal(out["nonfinite"], np.zeros(3))
+    assert np.all(np.isnan(out["mean_abs"])) and np.all(np.isnan(out["rms"]))
+    g = {"a": jnp.arange(24.0).reshape(2, 3, 4) - 7.0, "e": jnp.zeros((2, 0)), "b": jnp.ones((2, 5))}
+    out = maybe_jit(lambda g: stats.summarize({"t": g}, stats=ALL, loop_axes=1))(g)
+    assert_stats_match(out, {"t": g}, {"t": 1}, names=ALL)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -137,12 +180,17 @@ def test_summaries_differentiate_as_their_closed_forms(jit):
     (found by the property tests: a size-0 leaf made them nan)."""
     g = {"a": jnp.array([1.5, -2.0, 0.5]), "b": jnp.array([[0.25, -3.0]]), "e": jnp.zeros((0,))}
     dg = {"a": jnp.array([0.3, 0.1, -1.0]), "b": jnp.array([[2.0, 0.5]]), "e": jnp.zeros((0,))}
-    fun = lambda g: stats.summarize({"t": g}, stats=("norm", "mean_abs"))["t"]  # noqa: E731
+    fun = lambda g: stats.summarize({"t": g}, stats=("norm", "mean_abs", "rms"))["t"]  # noqa: E731
     jvp = lambda g, dg: jax.jvp(fun, (g,), (dg,))  # noqa: E731
     _, tangents = (jax.jit(jvp) if jit else jvp)(g, dg)
     flat, dflat = (jnp.concatenate([jnp.ravel(t[k]) for k in "abe"]) for t in (g, dg))
     np.testing.assert_allclose(tangents["norm"], jnp.sum(flat * dflat) / jnp.linalg.norm(flat), rtol=1e-12)
     np.testing.assert_allclose(tangents["mean_abs"], jnp.mean(jnp.sign(flat) * dflat), rtol=1e-12)
+    rms = jnp.sqrt(jnp.mean(flat**2))
+    np.testing.assert_allclose(tangents["rms"], jnp.mean(flat * dflat) / rms, rtol=1e-12)
+    # an all-zero gradient: finite tangents (sqrt's derivative at 0 is not taken)
+    _, at_zero = jax.jvp(fun, (jax.tree_util.tree_map(jnp.zeros_like, g),), (dg,))
+    assert all(np.isfinite(v) for k, v in at_zero.items() if k != "mean_abs")
 
 
 def test_dtypes_float0_and_complex():
@@ -360,3 +408,123 @@ def test_history_format_names_the_root_module():
     h = jt.stats.History()
     h.append(3, {"": {"norm": np.float32(1.0)}, "fc": {"norm": np.float32(2.0)}})
     assert h.format() == 'step 3  | norm: "" 1  fc 2'
+
+
+def test_value_stats_match_numpy_on_captured_values(problem, maybe_jit):
+    """with_values=True: the statistics of the values at the tags (jt.capture, reduced by NumPy), with the
+    keys and loop axes of the gradient statistics (jt.grad's cotangents, reduced by NumPy)."""
+    params, xs = problem
+    _, values = jt.capture(model)(params, xs)
+    _, (_, tag_grads) = jt.value_and_grad(model)(params, xs)
+    value, (grads, tag_stats), value_stats = maybe_jit(stats.value_and_grad(model, stats=ALL, with_values=True))(params, xs)
+    np.testing.assert_allclose(value, model(params, xs), rtol=1e-13)
+    assert_stats_match(value_stats, values, LOOP_AXES, names=ALL)
+    assert_stats_match(tag_stats, tag_grads, LOOP_AXES, names=ALL)
+    assert value_stats["rnn.h"]["rms"].shape == (6,) and value_stats["shared"]["norm"].shape == (3,)
+    _, _, per_example = maybe_jit(stats.value_and_grad(model, tags="rows", per_example=True, with_values=True))(params, xs)
+    assert_stats_match(per_example, {"rows": values["rows"]}, {"rows": 2})
+
+
+def scanned_stack(ws, x):
+    """A stack of layers run by lax.scan over their stacked weights: one tag, one entry per layer."""
+
+    def layer(h, w):
+        return jt.tag(jnp.tanh(h @ w), "layer"), None
+
+    h, _ = lax.scan(layer, x, ws)
+    return jnp.mean((h - 0.5) ** 2)
+
+
+def test_history_keeps_value_stats_and_layer_flow_draws_each_scanned_layer():
+    ws = jax.random.normal(jax.random.PRNGKey(1), (4, 3, 3)) * jnp.array([0.5, 1.0, 2.0, 4.0])[:, None, None]
+    x = jax.random.normal(jax.random.PRNGKey(2), (5, 3))
+    step = jax.jit(stats.value_and_grad(scanned_stack, stats=("norm", "rms"), with_values=True))
+    history = stats.History()
+    want_values, want_grads = [], []
+    for i in range(3):
+        loss, (grads, tag_stats), value_stats = step(ws, x)
+        history.append(10 * i, tag_stats, value_stats, loss=loss)
+        want_values.append(numpy_stats(jt.capture(scanned_stack)(ws, x)[1]["layer"], 1))
+        want_grads.append(numpy_stats(jt.grad(scanned_stack)(ws, x)[1]["layer"], 1))
+        ws = ws - 0.5 * grads
+    for got, want in ((history.values, want_values), (history, want_grads)):
+        for stat in ("norm", "rms"):
+            assert got.array("layer", stat).shape == (3, 4)  # (appends, layers)
+            np.testing.assert_allclose(got.array("layer", stat), np.stack([w[stat] for w in want]), rtol=1e-12)
+    assert history.values.steps.tolist() == [0, 10, 20] and history.values.names == ["layer"]
+    np.testing.assert_array_equal(history.values.scalar("loss"), history.scalar("loss"))
+    history.append(30, tag_stats)  # no value statistics at this step: nan there
+    assert np.all(np.isnan(history.values.array("layer")[-1])) and np.all(np.isfinite(history.array("layer")))
+    with pytest.raises(TypeError, match="append to the History itself"):
+        history.values.append(40, value_stats)
+    with pytest.raises(TypeError, match=r"value_stats\['layer'\] should be a dict"):
+        history.append(40, tag_stats, {"layer": jnp.ones(4)})
+    assert len(history) == 4  # the refused append added no step
+
+    pytest.importorskip("matplotlib")
+    from jaxtrace import plot
+
+    fig = plot.layer_flow(history, "norm")
+    assert [ax.get_title() for ax in fig.axes] == ["activation norm per layer", "gradient norm per layer"]
+    for ax, table in zip(fig.axes, (history.values, history)):
+        assert [line.get_label() for line in ax.lines] == [f"layer[{i}]" for i in range(4)]  # one per layer
+        for i, line in enumerate(ax.lines):
+            np.testing.assert_array_equal(line.get_xdata(), history.steps)
+            np.testing.assert_allclose(line.get_ydata(), table.array("layer")[:, i], rtol=1e-12)
+    only_grads = stats.History()
+    only_grads.append(0, tag_stats)
+    assert [ax.get_title() for ax in plot.layer_flow(only_grads).axes] == ["gradient norm per layer"]
+    with pytest.raises(ValueError, match="no statistics of these tags"):
+        plot.layer_flow(stats.History())
+
+
+def spike_recipe():
+    """Run the guide's "Debugging a loss spike" block (30 steps, an outlier at step 25); its namespace."""
+    page = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "training-statistics.md"
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S) if "def forensics" in b]
+    namespace: dict = {}
+    exec(compile(code, str(page), "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.long  # compiles a step with per_example_norms and per-layer statistics in a cond: ~20 s here
+def test_spike_recipe_names_the_outlier_example_and_layer():
+    """The spike step of the guide, only when the loss exceeds 5x its running mean: the example with the
+    largest gradient norm, and the first layer where its activation is 10x the batch median's, checked
+    against per-example jax.grad and jt.capture reduced by NumPy; normal steps give an empty report."""
+    pytest.importorskip("equinox")
+    pytest.importorskip("optax")
+    import equinox as eqx
+
+    ns = spike_recipe()
+    assert ns["found"] == [(25, 17, "layers.0")]  # the guide's own injection, found on that step alone
+    step, batch, layers = ns["step"], ns["batch"], ns["LAYERS"]
+    model, opt_state, average = ns["model"], ns["opt_state"], ns["average"]
+
+    x, y = batch(jax.random.key(100))
+    _, _, new_average, _, spike, report = step(model, opt_state, average, x, y)
+    assert not spike and int(report["example"]) == -1 and int(report["layer"]) == -1
+    assert np.all(np.asarray(report["example_norms"]) == -1) and float(new_average) != float(average)
+
+    def oracle(x, y):
+        """Per-example gradient norms, one jax.grad per example, and per-layer activation norms per example."""
+        norms = []
+        for i in range(len(x)):
+            g = eqx.filter_grad(lambda m: ns["per_example_losses"](m, x[i : i + 1], y[i : i + 1])[0])(model)
+            norms.append(np.sqrt(sum(np.sum(np.asarray(leaf, np.float64) ** 2) for leaf in jax.tree_util.tree_leaves(g))))
+        _, values = jt.capture(lambda m, x: jax.vmap(m)(x))(jt.tag_modules(model, layers), x)
+        per_layer = [np.linalg.norm(np.asarray(values[n], np.float64).reshape(len(x), -1), axis=1) for n in layers]
+        return np.array(norms), per_layer
+
+    for outlier, label, want_layer in ((3, None, 0), (40, 30.0, -1)):  # an input 300x too large; a wrong label
+        x, y = batch(jax.random.key(101), outlier=None if label else outlier)
+        if label is not None:
+            y = y.at[outlier].set(label)
+        _, _, new_average, loss, spike, report = step(model, opt_state, average, x, y)
+        assert bool(spike) and float(new_average) == float(average)  # a spike does not move the threshold
+        assert int(report["example"]) == outlier and int(report["layer"]) == want_layer
+        norms, per_layer = oracle(x, y)
+        np.testing.assert_allclose(report["example_norms"], norms, rtol=1e-4)
+        ratios = [v[outlier] / np.median(v) for v in per_layer]
+        np.testing.assert_allclose(report["layer_ratios"], ratios, rtol=1e-4)
+        assert int(np.argmax(norms)) == outlier
