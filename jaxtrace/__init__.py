@@ -17,7 +17,7 @@ from ._equinox import HookPoint as HookPoint
 from ._forward import capture as capture
 from ._forward import jvp as jvp
 from ._forward import patch as patch
-from ._module_tags import tag_modules as tag_modules
+from ._tag_modules import tag_modules as tag_modules
 from ._patch_grad import patch_grad as patch_grad
 from ._per_example import clipped_grad as clipped_grad
 from ._per_example import per_example_norms as per_example_norms

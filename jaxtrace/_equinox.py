@@ -349,7 +349,7 @@ def _rebuild(module: eqx.Module, path: str, specs: dict) -> eqx.Module:
 
 def tag_equinox(model: eqx.Module, where: Where = None, *, inputs: bool = False, params_of=None) -> eqx.Module:
     """The equinox case of ``jaxtrace.tag_modules``: a copy whose selected modules are tagged subclasses
-    (``params_of``: see ``_module_tags.tag_module_calls``)."""
+    (``params_of``: see ``_tag_modules.tag_module_calls``)."""
     candidates = [(p, m) for p, m in _named_modules(model) if is_callable_module(m)]
     chosen = choose(candidates, where, "jaxtrace.tag_modules")
     modules = dict(candidates)

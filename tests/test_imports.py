@@ -44,7 +44,7 @@ def test_equinox_helpers_are_their_implementations():
         from jaxtrace import filter_value_and_grad, tag_modules
         import jaxtrace as jt
         import jaxtrace._equinox as impl
-        import jaxtrace._module_tags as module_tags
+        import jaxtrace._tag_modules as module_tags
 
         assert tag_modules is module_tags.tag_modules and filter_value_and_grad is impl.filter_value_and_grad
         assert jt.filter_grad is impl.filter_grad

@@ -114,7 +114,7 @@ def named_modules(model: nnx.Module) -> list:
 
 def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False, params_of=None) -> nnx.Module:
     """The Flax NNX case of ``jaxtrace.tag_modules``; see its docstring (``params_of``: see
-    ``jaxtrace._module_tags.tag_module_calls``)."""
+    ``jaxtrace._tag_modules.tag_module_calls``)."""
     named = [(name, path, m) for name, path, m in named_modules(model) if is_callable_module(m)]
     chosen = choose([(name, m) for name, _, m in named], where, "jaxtrace.tag_modules")
     paths = {name: path for name, path, _ in named}
