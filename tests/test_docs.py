@@ -4,7 +4,7 @@
 - Every ```python block of README.md and of every docs/**/*.md page runs: the blocks of one
   page in order, in one namespace, like a notebook. A block whose first line is
   ``# requires: torch`` (module names, comma separated) is skipped when one of them is
-  missing. Output goes in ```text (or ```console) blocks, which are not run.
+  missing; ``transformer_lens<4`` also skips it where the installed major version is 4 or more. Output goes in ```text (or ```console) blocks, which are not run.
 - Every public name has an entry (a ``::: jaxtrace.name`` directive) in the API reference,
   docs/api/*.md, so a name added without one fails here.
 """
@@ -12,6 +12,7 @@
 import ast
 import doctest
 import importlib
+import importlib.metadata
 import importlib.util
 import pathlib
 import re
@@ -56,7 +57,19 @@ def test_torch_module_docstring_examples():
 # --- code blocks of the README and the docs pages ---------------------------------------------
 
 FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```\s*$", re.S | re.M)  # also indented (in a list)
-REQUIRES = re.compile(r"\A#\s*requires:\s*([\w., ]+)\n")
+REQUIRES = re.compile(r"\A#\s*requires:\s*([\w., <]+)\n")
+
+
+def absent_or_too_new(requirement: str) -> str | None:
+    """Why a ``# requires:`` entry is not met here (``"torch"``, ``"transformer_lens<4"``), or None."""
+    name, _, below = (part.strip() for part in requirement.partition("<"))
+    if importlib.util.find_spec(name) is None:
+        return name
+    if below:
+        version = importlib.metadata.version(name)
+        if int(version.split(".")[0]) >= int(below):
+            return f"{name}<{below} (found {version})"
+    return None
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 
@@ -95,7 +108,7 @@ def test_page_code_blocks_run(page, monkeypatch, tmp_path):
         for line, code in blocks:
             requires = REQUIRES.match(code)
             needed = [m.strip() for m in requires.group(1).split(",")] if requires else []
-            absent = [m for m in needed if importlib.util.find_spec(m) is None]
+            absent = [why for why in map(absent_or_too_new, needed) if why]
             if absent:
                 missing.append(f"line {line} needs {', '.join(absent)}")
                 continue
