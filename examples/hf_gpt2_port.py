@@ -16,8 +16,9 @@ GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight``: the port reads
 the embedding matrix for its head, as Hugging Face does, so the gradient of
 ``transformer.wte.weight`` is the sum of both uses on both sides.
 
-Needs torch and transformers (``pip install transformers``); without them it
-says so and exits 0.
+Needs torch (a CPU build is enough: ``pip install torch --index-url
+https://download.pytorch.org/whl/cpu``) and transformers (``pip install
+transformers``); without them it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -159,8 +160,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"This example needs {' and '.join(missing)}: pip install {' '.join(missing)} "
-              "(a CPU build of torch is enough). Skipping.")
+        how = {"torch": "pip install torch --index-url https://download.pytorch.org/whl/cpu (a CPU build is enough)",
+               "transformers": "pip install transformers"}
+        print(f"This example needs {' and '.join(missing)}: {'; '.join(how[m] for m in missing)}. Skipping.")
         return 0
     import torch
     import transformers

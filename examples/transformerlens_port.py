@@ -22,26 +22,42 @@ the calls (``[3, batch, pos, ...]``); TransformerLens's cache keeps the last
 forward call (``[-1]``) and, for ``"_grad"``, the last backward hook to fire,
 which is the first call (``[0]``).
 
-Needs ``transformer_lens`` (3.x, which still has ``HookedTransformer``) and
-torch; without them it says how to install them and exits 0.
+Needs ``transformer_lens`` 3.x (3.9 tested; 4.0 removed ``HookedTransformer``)
+and torch; without them, or with TransformerLens 4, it says how to install
+them and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import sys
 import time
 import warnings
 
 INSTALL = (
-    "This example needs TransformerLens 3.x and PyTorch (a CPU build is enough), on Python 3.11 for instance:\n"
-    '    pip install "transformer-lens==3.9.0" torch --index-url https://download.pytorch.org/whl/cpu '
-    "--extra-index-url https://pypi.org/simple\n"
-    "(TransformerLens 4 dropped HookedTransformer.)"
+    "This example needs TransformerLens 3.x (3.9 tested) and PyTorch (a CPU build is enough):\n"
+    "    pip install torch --index-url https://download.pytorch.org/whl/cpu\n"
+    '    pip install "transformer-lens>=3.9,<4"\n'
+    "TransformerLens 4.0 removed HookedTransformer, which this example compares against."
 )
 
-if importlib.util.find_spec("transformer_lens") is None or importlib.util.find_spec("torch") is None:
+
+def _transformer_lens_major():
+    """The installed TransformerLens's major version, or None without it."""
+    if importlib.util.find_spec("transformer_lens") is None:
+        return None
+    try:
+        return int(importlib.metadata.version("transformer_lens").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+_MAJOR = _transformer_lens_major()
+if _MAJOR is None or _MAJOR >= 4 or importlib.util.find_spec("torch") is None:
+    if _MAJOR is not None and _MAJOR >= 4:
+        print(f"Found TransformerLens {importlib.metadata.version('transformer_lens')}, without HookedTransformer.")
     print(INSTALL)
     sys.exit(0)
 

@@ -12,6 +12,7 @@ from ._ad import vjp as vjp
 from ._compare import Comparison as Comparison
 from ._compare import compare as compare
 from ._equinox import filter_grad as filter_grad
+from ._equinox import filter_jacrev as filter_jacrev
 from ._equinox import filter_value_and_grad as filter_value_and_grad
 from ._equinox import HookPoint as HookPoint
 from ._forward import capture as capture

@@ -167,11 +167,13 @@ def grad(
 
     Args:
         fun: the function to differentiate; it calls ``jaxtrace.tag`` inside.
-        argnums: as in ``value_and_grad``.
-        has_aux: as in ``value_and_grad``.
-        tags: as in ``value_and_grad``.
-        with_values: as in ``value_and_grad``.
-        holomorphic: as in ``value_and_grad``.
+        argnums: which positional arguments to differentiate (an int or a tuple
+            of ints), as in ``jax.grad``.
+        has_aux: ``fun`` returns ``(value, aux)``, as in ``jax.grad``.
+        tags: which tags: ``None`` (all), a name, a sequence of names, or a
+            predicate on names.
+        with_values: also return the forward values at the tags, from the same pass.
+        holomorphic: ``jax.grad``'s, for a holomorphic ``fun`` of complex inputs and tags.
 
     Returns:
         A function that returns ``(grads, tag_grads)``, or with ``has_aux``
@@ -179,8 +181,10 @@ def grad(
         values at the tags.
 
     Raises:
-        TypeError: as ``value_and_grad``.
-        TagError: as ``value_and_grad``.
+        TypeError: if ``fun`` is not callable or ``tags`` / ``argnums`` is of the wrong kind.
+        TagError: when called, if a name in ``tags`` is not a tag of ``fun``, or a
+            tag sits where a gradient cannot exist (a ``while_loop``, inside a
+            ``custom_vjp`` function).
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt

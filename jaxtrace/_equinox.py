@@ -1,8 +1,9 @@
-"""Equinox models: ``filter_grad`` / ``filter_value_and_grad`` and ``tag_modules``.
+"""Equinox models: ``filter_grad`` / ``filter_value_and_grad`` / ``filter_jacrev`` and ``tag_modules``.
 
-``filter_value_and_grad`` is ``jaxtrace.value_and_grad`` with equinox's
-convention for what is differentiated: the inexact arrays of the first
-argument, ``None`` everywhere else, exactly as ``eqx.filter_value_and_grad``.
+``filter_value_and_grad`` is ``jaxtrace.value_and_grad`` (``filter_jacrev``
+``jaxtrace.jacrev``) with equinox's convention for what is differentiated: the
+inexact arrays of the first argument, ``None`` everywhere else, exactly as
+``eqx.filter_value_and_grad`` (``eqx.filter_jacrev``).
 
 ``tag_modules`` tags the outputs (and optionally inputs) of the submodules of
 a model nobody edited, named like PyTorch's ``named_modules()``. A selected
@@ -23,7 +24,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from . import stats as jt_stats
-from ._ad import value_and_grad
+from ._ad import jacrev, value_and_grad
 from ._module_tags import (
     ModuleTag,
     Where,
@@ -51,6 +52,24 @@ def _hashable_tags(tags: TagSelection) -> TagSelection:
     return tuple(tags)
 
 
+def _partitioned(fun: Callable, args: tuple, kwargs: dict):
+    """``fun`` on the first argument's inexact arrays and the rest apart, as equinox's filter transforms:
+    ``(split_fun, split_args)`` with ``split_fun(diff, nondiff, *rest)`` calling ``fun`` on the combined model."""
+    if not args:
+        raise TypeError(
+            "Functions wrapped with jaxtrace.filter_grad, jaxtrace.filter_value_and_grad or jaxtrace.filter_jacrev "
+            "must get their first argument (the one that is differentiated) by position, not by keyword"
+            + (f"; got only keyword arguments {sorted(kwargs)}." if kwargs else "; got no arguments.")
+        )
+    x, *rest = args
+    diff_x, nondiff_x = eqx.partition(x, eqx.is_inexact_array)
+
+    def split_fun(diff_x, nondiff_x, *args, **kwargs):
+        return fun(eqx.combine(diff_x, nondiff_x), *args, **kwargs)
+
+    return split_fun, (diff_x, nondiff_x, *rest)
+
+
 class _FilterValueAndGrad(eqx.Module):
     _fun: Callable
     _has_aux: bool = eqx.field(static=True)
@@ -63,26 +82,14 @@ class _FilterValueAndGrad(eqx.Module):
         return self._fun
 
     def __call__(self, *args, **kwargs):
-        if not args:
-            raise TypeError(
-                "Functions wrapped with jaxtrace.filter_grad or jaxtrace.filter_value_and_grad must get "
-                "their first argument (the one that is differentiated) by position, not by keyword"
-                + (f"; got only keyword arguments {sorted(kwargs)}." if kwargs else "; got no arguments.")
-            )
-        x, *rest = args
-        diff_x, nondiff_x = eqx.partition(x, eqx.is_inexact_array)
-        fun = self._fun
-
-        def split_fun(diff_x, nondiff_x, *args, **kwargs):
-            return fun(eqx.combine(diff_x, nondiff_x), *args, **kwargs)
-
+        split_fun, split_args = _partitioned(self._fun, args, kwargs)
         if self._stats is not None:
             transform = jt_stats.value_and_grad(
                 split_fun, 0, has_aux=self._has_aux, tags=self._tags, stats=self._stats, with_values=self._with_values
             )
         else:
             transform = value_and_grad(split_fun, 0, has_aux=self._has_aux, tags=self._tags, with_values=self._with_values)
-        return transform(diff_x, nondiff_x, *rest, **kwargs)
+        return transform(*split_args, **kwargs)
 
     def __get__(self, instance, owner):
         return self if instance is None else jtu.Partial(self, instance)
@@ -197,6 +204,74 @@ def filter_grad(
         filter_value_and_grad(fun, has_aux=has_aux, tags=tags, with_values=with_values, stats=stats),
     )
     wrapper = _FilterGrad(value_and_grad_fun, bool(has_aux))
+    return eqx.module_update_wrapper(wrapper, fun)
+
+
+class _FilterJacrev(eqx.Module):
+    _fun: Callable
+    _has_aux: bool = eqx.field(static=True)
+    _tags: Any = eqx.field(static=True)
+    _stats: Any = eqx.field(static=True, default=None)
+
+    @property
+    def __wrapped__(self):
+        return self._fun
+
+    def __call__(self, *args, **kwargs):
+        split_fun, split_args = _partitioned(self._fun, args, kwargs)
+        if self._stats is not None:
+            transform = jt_stats.jacrev(split_fun, 0, has_aux=self._has_aux, tags=self._tags, stats=self._stats)
+        else:
+            transform = jacrev(split_fun, 0, has_aux=self._has_aux, tags=self._tags)
+        return transform(*split_args, **kwargs)
+
+    def __get__(self, instance, owner):
+        return self if instance is None else jtu.Partial(self, instance)
+
+
+def filter_jacrev(fun: Callable, *, has_aux: bool = False, tags: TagSelection = None, stats: Any = None) -> Callable:
+    """Like ``eqx.filter_jacrev``, and also the Jacobians at the tags: which loss term reaches which layer.
+
+    ``jaxtrace.jacrev`` (or, with ``stats=``, ``jaxtrace.stats.jacrev``) with
+    equinox's convention: differentiates the inexact arrays of the first
+    argument, so a model holding activation functions (``eqx.nn.MLP``) or
+    other non-arrays goes in as it is. The output is a pytree of loss terms
+    (``{"ce": ..., "aux": ...}``).
+
+    Args:
+        fun: the function; its first argument (by position) is differentiated.
+        has_aux: ``fun`` returns ``(out, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        stats: ``None`` for the full Jacobians; ``True`` or statistic names
+            (``"norm"``) to reduce each tag's Jacobian per term inside the traced
+            function, as ``jaxtrace.stats.jacrev`` does.
+
+    Returns:
+        A function that returns ``(jac, tag_jacs)``, or with ``has_aux``
+        ``((jac, tag_jacs), aux)``: ``jac`` is what ``eqx.filter_jacrev``
+        returns (the output's structure, each leaf the model with ``None`` at
+        non-differentiated leaves) and ``tag_jacs`` what ``jaxtrace.jacrev``
+        returns. With ``stats=``, ``tag_jacs`` is the table
+        ``{tag: {term: {stat: array}}}`` that ``jaxtrace.stats.format_paths``
+        prints.
+
+    Raises:
+        TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind;
+            when called, if the first argument is passed by keyword.
+        ValueError: if a name in ``stats`` is not in ``jaxtrace.stats.STATS``.
+
+    Example:
+        >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
+        >>> model = jt.tag_modules(eqx.nn.MLP(2, 1, 4, 2, key=jax.random.key(0)))
+        >>> def losses(model, x):
+        ...     out, acts = jt.capture(model)(x)
+        ...     return {"main": jnp.sum(out ** 2), "aux": jnp.sum(acts["layers.1"] ** 2)}
+        >>> _, table = jt.filter_jacrev(losses, stats="norm")(model, jnp.ones(2))
+        >>> [name for name in table if float(table[name]["aux"]["norm"]) > 0]  # aux reaches layers 0 and 1 only
+        ['layers.0', 'layers.1']
+    """
+    check_callable(fun, "jaxtrace.filter_jacrev")
+    wrapper = _FilterJacrev(fun, bool(has_aux), _hashable_tags(tags), stat_names(stats))
     return eqx.module_update_wrapper(wrapper, fun)
 
 

@@ -36,12 +36,12 @@ def check_array_leaves(args: tuple, argnums: tuple) -> None:
     nnx = sys.modules.get("flax.nnx")
     is_nnx = nnx is not None and any(isinstance(a, nnx.Module) for a in args)
     hint = (
-        "For a Flax NNX module use jaxtrace.flax.grad / jaxtrace.flax.value_and_grad, which differentiate "
-        "its nnx.Param state (as nnx.grad). "
+        "For a Flax NNX module use jaxtrace.flax.grad / jaxtrace.flax.value_and_grad / jaxtrace.flax.jacrev, "
+        "which differentiate its nnx.Param state (as nnx.grad). "
         if is_nnx
-        else "For an equinox model use jt.filter_grad / jt.filter_value_and_grad, which differentiate its "
-        "floating arrays only (as eqx.filter_grad); for a Flax NNX module, jaxtrace.flax.grad / "
-        "value_and_grad. "
+        else "For an equinox model use jt.filter_grad / jt.filter_value_and_grad / jt.filter_jacrev (with "
+        "stats= for the table of jt.stats.jacrev), which differentiate its floating arrays only (as "
+        "eqx.filter_grad); for a Flax NNX module, jaxtrace.flax.grad / value_and_grad / jacrev. "
     )
     raise TypeError(
         "jaxtrace differentiates every leaf of the arguments in argnums, as jax.grad does, and those must "

@@ -134,8 +134,15 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
     Returns:
         ``value``, unchanged.
 
+    A Python ``float`` is tagged as a scalar array (its gradient is the
+    derivative with respect to that constant); an integer or boolean array
+    gets ``float0`` zeros under differentiation, as ``jax.grad(allow_int=True)``
+    gives; a Python ``int`` or ``bool`` is an error, since it is a constant with
+    no derivative: tag the array it goes into.
+
     Raises:
-        TypeError: if ``name`` is not a string or a leaf of ``value`` is not an array.
+        TypeError: if ``name`` is not a string, or a leaf of ``value`` is not an
+            array (a Python ``int`` or ``bool`` included).
         ValueError: if ``value`` holds no arrays.
 
     Example:
@@ -159,6 +166,15 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
             f"({value!r}). Tag an array or a pytree of arrays."
         )
     for leaf in leaves:
+        if isinstance(leaf, (bool, int)) and not isinstance(leaf, np.generic):
+            kind = type(leaf).__name__
+            raise TypeError(
+                f"jaxtrace.tag(..., {name!r}) at {_user_line()} got the Python {kind} {leaf!r}: a constant "
+                f"of the program, and an integer, whose gradient would be only a float0 placeholder (no "
+                f"derivative). Tag the array the number goes into (jt.tag(x * {leaf!r}, {name!r})), or a "
+                f"float array (jnp.asarray({float(leaf)!r})) for the derivative with respect to that constant; "
+                f"jnp.asarray({leaf!r}) marks an integer on purpose (float0 zeros under jt.grad, as integer arrays)."
+            )
         if not isinstance(leaf, _ARRAY_TYPES) or isinstance(leaf, (str, bytes)):
             raise TypeError(
                 f"jaxtrace.tag(..., {name!r}) at {_user_line()} got a leaf of type "

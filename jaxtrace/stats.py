@@ -260,6 +260,23 @@ def jacrev(
     that order. An exact zero: the term does not reach the tag.
     ``loop_axes`` is :func:`summarize`'s (default: every axis reduced).
 
+    One way per framework, as for gradients: a pytree of arrays goes here; an
+    equinox model to ``jt.filter_jacrev(fun, stats=...)`` (its floating arrays,
+    as ``eqx.filter_jacrev``), an NNX model to ``jaxtrace.flax.jacrev(fun,
+    stats=...)`` (its ``nnx.Param`` state, as ``nnx.grad``).
+
+    Args:
+        fun: the function; it returns the loss terms (a pytree) and calls ``jaxtrace.tag`` inside.
+        argnums: as in ``jax.jacrev``.
+        has_aux: ``fun`` returns ``(terms, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        stats: one name from ``STATS``, or a sequence of them.
+        loop_axes: how many leading axes of each tag to keep, as in :func:`summarize`.
+
+    Returns:
+        A function that returns ``(jac, table)``, or with ``has_aux``
+        ``((jac, table), aux)``.
+
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
         >>> def losses(w):

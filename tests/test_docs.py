@@ -4,7 +4,7 @@
 - Every ```python block of README.md and of every docs/**/*.md page runs: the blocks of one
   page in order, in one namespace, like a notebook. A block whose first line is
   ``# requires: torch`` (module names, comma separated) is skipped when one of them is
-  missing. Output goes in ```text (or ```console) blocks, which are not run.
+  missing; ``transformer_lens<4`` also skips it where the installed major version is 4 or more. Output goes in ```text (or ```console) blocks, which are not run.
 - Every public name has an entry (a ``::: jaxtrace.name`` directive) in the API reference,
   docs/api/*.md, so a name added without one fails here.
 """
@@ -12,6 +12,7 @@
 import ast
 import doctest
 import importlib
+import importlib.metadata
 import importlib.util
 import pathlib
 import re
@@ -56,7 +57,19 @@ def test_torch_module_docstring_examples():
 # --- code blocks of the README and the docs pages ---------------------------------------------
 
 FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```\s*$", re.S | re.M)  # also indented (in a list)
-REQUIRES = re.compile(r"\A#\s*requires:\s*([\w., ]+)\n")
+REQUIRES = re.compile(r"\A#\s*requires:\s*([\w., <]+)\n")
+
+
+def absent_or_too_new(requirement: str) -> str | None:
+    """Why a ``# requires:`` entry is not met here (``"torch"``, ``"transformer_lens<4"``), or None."""
+    name, _, below = (part.strip() for part in requirement.partition("<"))
+    if importlib.util.find_spec(name) is None:
+        return name
+    if below:
+        version = importlib.metadata.version(name)
+        if int(version.split(".")[0]) >= int(below):
+            return f"{name}<{below} (found {version})"
+    return None
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 
@@ -96,7 +109,7 @@ def test_page_code_blocks_run(page, monkeypatch, tmp_path):
         for line, code in blocks:
             requires = REQUIRES.match(code)
             needed = [m.strip() for m in requires.group(1).split(",")] if requires else []
-            absent = [m for m in needed if importlib.util.find_spec(m) is None]
+            absent = [why for why in map(absent_or_too_new, needed) if why]
             if absent:
                 missing.append(f"line {line} needs {', '.join(absent)}")
                 continue
@@ -153,10 +166,40 @@ def test_every_public_name_has_a_reference_entry():
     assert not missing, f"public names without an API reference entry (add '::: NAME' to a docs/api/*.md page): {missing}"
 
 
+def comparison_table(page: pathlib.Path) -> str:
+    found = re.search(r"^## How it compares\n\n(\|.*?)(?:\n\n|\Z)", page.read_text(), re.S | re.M)
+    assert found, f"{page.relative_to(ROOT)} has no 'How it compares' table"
+    return found.group(1).strip()
+
+
+def test_home_page_has_the_readme_table_and_every_guide():
+    """The site's home page and the README compare alike, and the home page links every guide."""
+    assert comparison_table(DOCS / "index.md") == comparison_table(ROOT / "README.md")
+    home = (DOCS / "index.md").read_text()
+    missing = [g.name for g in sorted((DOCS / "guides").glob("*.md")) if f"](guides/{g.name})" not in home]
+    assert not missing, f"docs/index.md does not link these guides: {missing}"
+
+
+SITE = "https://jaxtrace.github.io/jaxtrace/"  # mkdocs.yml's site_url, pyproject's Documentation
+REPOSITORY = "https://github.com/jaxtrace/jaxtrace/blob/main/"  # pyproject's Repository
+
+
+def site_page(url: str) -> pathlib.Path:
+    """The docs/ source of a site URL (mkdocs's directory URLs: guides/loss-paths/ is guides/loss-paths.md)."""
+    path = url.removeprefix(SITE).split("#")[0].rstrip("/")
+    if not path or (DOCS / path / "index.md").exists():
+        return DOCS / path / "index.md"
+    return DOCS / f"{path}.md"
+
+
 def test_readme_links_resolve():
-    """The README links into docs/ by relative path (mkdocs --strict checks the pages' links)."""
+    """The README's links are absolute (the package index shows the README, where relative links break):
+    site pages that docs/ builds, or files of the repository."""
     readme = (ROOT / "README.md").read_text()
-    targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme)
-    assert targets, "the README links to no page"
-    missing = [t for t in targets if not (ROOT / t).exists()]
-    assert not missing, f"README links to missing files: {missing}"
+    targets = re.findall(r"\]\(([^)]+)\)", readme)
+    assert len(targets) >= 10, "the README links to (almost) no page"
+    relative = [t for t in targets if not t.startswith("https://")]
+    assert not relative, f"README links by relative path, which break on the package index: {relative}"
+    missing = [t for t in targets if t.startswith(SITE) and not site_page(t).exists()]
+    missing += [t for t in targets if t.startswith(REPOSITORY) and not (ROOT / t.removeprefix(REPOSITORY).split("#")[0]).exists()]
+    assert not missing, f"README links to pages or files that do not exist: {missing}"

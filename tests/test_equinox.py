@@ -740,3 +740,82 @@ def test_hook_point_is_an_identity_on_pytrees():
     value = (jnp.ones(2), {"a": jnp.zeros(1)})
     assert hp(value) is value
     assert jax.tree_util.tree_leaves(hp) == []
+
+
+# --- filter_jacrev: which loss term reaches which layer, on a model nobody edited --------------
+
+
+def _mlp_terms(out, h0, y):
+    """The issue's scenario: a main loss, and an auxiliary loss read from an intermediate (layers.0)."""
+    return {"mse": jnp.mean((out - y) ** 2), "aux": 0.1 * jnp.mean(jnp.tanh(h0) ** 2)}
+
+
+def _mlp_by_hand(model, x, eps):
+    """The oracle: eqx.nn.MLP's layers run by hand, ``+ eps`` at each layer's output and the MLP's."""
+    h, outs = x, []
+    for i, layer in enumerate(model.layers):
+        h = layer(h) + eps[f"layers.{i}"]
+        outs.append(h)
+        h = model.activation(h) if i < len(model.layers) - 1 else model.final_activation(h)
+    return h + eps[""], outs
+
+
+def test_filter_jacrev_on_an_mlp_against_eps(maybe_jit):
+    model = eqx.nn.MLP(3, 2, 5, 2, key=KEYS[3])
+    tagged = jt.tag_modules(model)
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    y = jnp.linspace(0.5, -0.5, 8).reshape(4, 2)
+
+    def losses(model, x, y):
+        out, acts = jt.capture(jax.vmap(model))(x)
+        return _mlp_terms(out, acts["layers.0"], y)
+
+    jac, tag_jacs = maybe_jit(jt.filter_jacrev(losses))(tagged, x, y)
+
+    eps0 = {name: jnp.zeros((4, 5)) for name in ("layers.0", "layers.1")}
+    eps0.update({"layers.2": jnp.zeros((4, 2)), "": jnp.zeros((4, 2))})
+
+    def by_hand(eps):
+        out, outs = jax.vmap(lambda x, e: _mlp_by_hand(model, x, e))(x, eps)
+        return _mlp_terms(out, outs[0], y)
+
+    expected = jax.jacrev(by_hand)(eps0)  # {term: {tag: array}}
+    assert sorted(tag_jacs) == sorted(eps0)  # a plain dict: jax.jit hands it back sorted
+    assert_close(tag_jacs, {name: {term: expected[term][name] for term in expected} for name in eps0})
+    assert float(jnp.max(jnp.abs(tag_jacs["layers.0"]["aux"]))) > 0  # the new path exists
+    assert not np.any(tag_jacs["layers.1"]["aux"]) and not np.any(tag_jacs[""]["aux"])
+    # jac is eqx.filter_jacrev's: the model's floating arrays, None at the activation functions.
+    def plain(model, x, y):
+        out, outs = jax.vmap(lambda x: _mlp_by_hand(model, x, NoEps()))(x)
+        return _mlp_terms(out, outs[0], y)
+
+    assert_close(jac, eqx.filter_jacrev(plain)(tagged, x, y))  # tags are identities to jax.jacrev
+
+    # stats=: the table of jt.stats.jacrev, the norms of those Jacobians, terms in the loss's order.
+    _, table = maybe_jit(jt.filter_jacrev(losses, stats="norm"))(tagged, x, y)
+    assert list(table) == ["layers.0", "layers.1", "layers.2", ""] and all(list(per_term) == ["mse", "aux"] for per_term in table.values())
+    for name in table:
+        for term in ("mse", "aux"):
+            np.testing.assert_allclose(table[name][term]["norm"], np.linalg.norm(np.ravel(expected[term][name])), rtol=1e-12)
+    assert "0 (none)" in jt.stats.format_paths(table).splitlines()[2]  # aux does not reach layers.1
+
+
+def test_filter_jacrev_has_aux_tags_and_errors():
+    model = jt.tag_modules(eqx.nn.MLP(2, 1, 3, 1, key=KEYS[4]))
+
+    def losses(model, x):
+        out = model(x)
+        return {"a": jnp.sum(out), "b": jnp.sum(out**2)}, "aux"
+
+    (jac, tag_jacs), aux = jt.filter_jacrev(losses, has_aux=True, tags="layers.0")(model, jnp.ones(2))
+    assert aux == "aux" and list(tag_jacs) == ["layers.0"] and tag_jacs["layers.0"]["b"].shape == (3,)
+    assert jac["a"].activation is None
+    (_, table), _ = jt.filter_jacrev(losses, has_aux=True, stats=True)(model, jnp.ones(2))
+    assert sorted(table["layers.0"]["a"]) == sorted(jt.stats.STATS)
+    with pytest.raises(TypeError, match="by position"):
+        jt.filter_jacrev(losses)(model=model, x=jnp.ones(2))
+    with pytest.raises(ValueError, match="unknown statistic"):
+        jt.filter_jacrev(losses, stats="nrom")
+    # jt.stats.jacrev on such a model points to filter_jacrev.
+    with pytest.raises(TypeError, match="jt.filter_jacrev"):
+        jt.stats.jacrev(lambda m, x: losses(m, x)[0])(model, jnp.ones(2))

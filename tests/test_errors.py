@@ -57,6 +57,24 @@ def test_leaf_not_an_array():
     raises(TypeError, lambda: jt.grad(f)(X), "'act'", HERE, "leaf of type str", "not an array", "Tag only arrays")
 
 
+@pytest.mark.parametrize("number", [3, True])
+def test_python_int_or_bool_is_an_error_that_says_what_to_tag(wrap, number):
+    """A Python int under jt.grad gave a float0 placeholder with no word; now it says what to tag."""
+
+    def f(x):
+        return jnp.sum(x * jt.tag(number, "n"))
+
+    raises(TypeError, lambda: wrap(jt.grad(f))(X), "'n'", HERE, f"Python {type(number).__name__}", "float0",
+           f"jt.tag(x * {number!r}, 'n')", "jnp.asarray(")
+    raises(TypeError, lambda: jt.tag({"a": X, "steps": 3}, "pair"), "'pair'", "Python int 3")
+    # A Python float is a scalar array: its gradient is the derivative with respect to that constant.
+    _, tag_grads = wrap(jt.grad(lambda x: jnp.sum(x * jt.tag(3.0, "c"))))(X)
+    np.testing.assert_allclose(tag_grads["c"], jnp.sum(X), rtol=1e-12)
+    # An integer array marked on purpose keeps the documented float0 zeros.
+    _, tag_grads = wrap(jt.grad(lambda x: jnp.sum(x * jt.tag(jnp.asarray(3), "n"))))(X)
+    assert tag_grads["n"].dtype == jax.dtypes.float0
+
+
 def test_value_without_arrays():
     def f(x):
         jt.tag((), "empty")

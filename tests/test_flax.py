@@ -307,6 +307,57 @@ def test_flax_grad_on_a_stateful_model_equals_nnx_grad(jit):
         jaxtrace.flax.grad(mse)({"w": X}, X)
 
 
+def _nnx_terms(out, h1):
+    """A main loss and an auxiliary loss read from an intermediate (l1's output), as the loss-paths guide."""
+    return {"main": jnp.sum(jnp.sin(out) ** 2), "aux": 0.1 * jnp.mean(h1**2)}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_flax_jacrev_against_eps(jit):
+    """jaxtrace.flax.jacrev: d term / d tag against jax.jacrev of the ``+ eps`` program, jac against nnx's state."""
+    model = MLP(nnx.Rngs(0))
+    tagged = jt.tag_modules(MLP(nnx.Rngs(0)), ["l1", "l2"])
+
+    def losses(model, x):
+        out, acts = jt.capture(model)(x)
+        return _nnx_terms(out, acts["l1"])
+
+    def by_hand(model, x, eps):
+        h1 = model.l1(x) + eps["l1"]
+        return _nnx_terms(model.l2(jnp.tanh(h1)) + eps["l2"], h1)
+
+    eps0 = {"l1": jnp.zeros((5, 4), F64), "l2": jnp.zeros((5, 2), F64)}
+    expected = jax.jacrev(lambda eps: by_hand(model, X, eps))(eps0)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    expected_jac = jax.jacrev(lambda p: by_hand(nnx.merge(graphdef, p, rest), X, eps0))(params)
+
+    full = jaxtrace.flax.jacrev(losses)
+    table_fun = jaxtrace.flax.jacrev(losses, stats=("norm", "max_abs"))
+    if jit:
+        full, table_fun = nnx.jit(full), nnx.jit(table_fun)
+    jac, tag_jacs = full(tagged, X)
+    assert_trees_close(tag_jacs, {name: {term: expected[term][name] for term in expected} for name in eps0})
+    assert_trees_close(jax.tree_util.tree_leaves(jac), jax.tree_util.tree_leaves(expected_jac))
+    assert np.any(tag_jacs["l1"]["aux"]) and not np.any(tag_jacs["l2"]["aux"])
+    _, table = table_fun(tagged, X)
+    assert list(table) == ["l1", "l2"] and all(list(per_term) == ["main", "aux"] for per_term in table.values())
+    for name in eps0:
+        for term in expected:
+            np.testing.assert_allclose(table[name][term]["norm"], np.linalg.norm(np.ravel(expected[term][name])), rtol=1e-12)
+    assert jt.stats.format_paths(table).splitlines()[2].endswith("0 (none)")  # aux does not reach l2
+
+
+@pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")  # nnx.BatchNorm keeps float32 stats
+def test_flax_jacrev_writes_state_back_and_has_aux():
+    model, tagged = Stateful(nnx.Rngs(0)), jt.tag_modules(Stateful(nnx.Rngs(0)), ["dense", "norm"])
+    (_, tag_jacs), aux = jaxtrace.flax.jacrev(lambda m, x: ({"a": mse(m, x)}, 3), has_aux=True)(tagged, X)
+    nnx.grad(mse)(model, X)  # the same call through nnx: the same RNG count and batch statistics after it
+    assert aux == 3 and tag_jacs["dense"]["a"].shape == (5, 4)
+    assert_trees_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)))
+    with pytest.raises(TypeError, match="jaxtrace.flax.jacrev take an nnx.Module"):
+        jaxtrace.flax.jacrev(mse)({"w": X}, X)
+
+
 class TorchNet(nnx.Module):  # an nnx port of the torch module below, with torch's names
     def __init__(self, rngs):
         self.emb = nnx.Embed(5, 4, rngs=rngs, param_dtype=F64)

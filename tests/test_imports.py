@@ -32,7 +32,7 @@ def test_import_jaxtrace_imports_no_optional_dependency():
         assert tag_grads["h"].tolist() == [4.0, 4.0, 4.0]
         for name in ("flax", "torch", "matplotlib"):
             assert name not in sys.modules, f"import jaxtrace imported {name}"
-        for name in ("filter_grad", "filter_value_and_grad", "tag_modules", "HookPoint"):
+        for name in ("filter_grad", "filter_value_and_grad", "filter_jacrev", "tag_modules", "HookPoint"):
             assert name in vars(jt) and name in dir(jt), name
         """
     )
@@ -47,7 +47,7 @@ def test_equinox_helpers_are_their_implementations():
         import jaxtrace._tag_modules as module_tags
 
         assert tag_modules is module_tags.tag_modules and filter_value_and_grad is impl.filter_value_and_grad
-        assert jt.filter_grad is impl.filter_grad
+        assert jt.filter_grad is impl.filter_grad and jt.filter_jacrev is impl.filter_jacrev
         from jaxtrace import HookPoint
         assert HookPoint is impl.HookPoint and ">>>" in HookPoint.__doc__
         assert ">>>" in jt.tag_modules.__doc__

@@ -10,7 +10,7 @@ import pytest
 def test_import_without_torch_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail, as if not installed
     monkeypatch.delitem(sys.modules, "jaxtrace.torch", raising=False)
-    with pytest.raises(ImportError, match=r"pip install torch --index-url https://download.pytorch.org/whl/cpu.*pip install -e \".\[torch\]\""):
+    with pytest.raises(ImportError, match=r"pip install torch --index-url https://download.pytorch.org/whl/cpu.*pip install -e \".\[torch\]\"` keeps"):
         importlib.import_module("jaxtrace.torch")
 
 

@@ -4,7 +4,9 @@
   a tagged copy (see its docstring). ``jaxtrace.flax.grad`` and
   ``value_and_grad`` are ``nnx.grad`` / ``nnx.value_and_grad`` that also
   return the gradients at the tags, and write changed state (RNG counts,
-  batch statistics) back into the model as ``nnx.grad`` does.
+  batch statistics) back into the model as ``nnx.grad`` does;
+  ``jaxtrace.flax.jacrev`` is ``jaxtrace.jacrev`` (which loss term reaches
+  which layer) on the same terms.
 - **Linen**: ``jaxtrace.flax.tag_modules()`` is a context manager (and a
   decorator) built on ``flax.linen.intercept_methods``: while it is active,
   every selected Linen module's ``__call__`` output is tagged under the
@@ -41,6 +43,7 @@ except ImportError as _error:  # pragma: no cover - exercised where flax is not 
 
 from ._linen import tag_modules as tag_modules
 from ._nnx_grad import grad as grad
+from ._nnx_grad import jacrev as jacrev
 from ._nnx_grad import value_and_grad as value_and_grad
 
-__all__ = ["tag_modules", "grad", "value_and_grad"]
+__all__ = ["tag_modules", "grad", "value_and_grad", "jacrev"]

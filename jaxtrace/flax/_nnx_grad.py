@@ -1,4 +1,4 @@
-"""Flax NNX models: ``jaxtrace.flax.grad`` / ``value_and_grad``, shaped like ``nnx.grad``.
+"""Flax NNX models: ``jaxtrace.flax.grad`` / ``value_and_grad`` / ``jacrev``, shaped like ``nnx.grad``.
 
 ``fun``'s first argument is an ``nnx.Module``; the gradient is taken with
 respect to its ``wrt`` state (``nnx.Param`` by default, as ``nnx.grad``), and
@@ -19,9 +19,35 @@ from typing import Any, Callable
 from flax import nnx
 
 from .. import stats as jt_stats
+from .._ad import jacrev as _jacrev
 from .._ad import value_and_grad as _value_and_grad
 from .._sites import TagSelection, check_callable
 from .._stats_option import stat_names
+
+
+def _split_model(fun: Callable, model, wrt, aux_wanted: bool, who: str):
+    """``(split_fun, diff, rest)``: ``split_fun(diff, rest, *args)`` returns ``(out, (aux, changed state))``.
+
+    The model is merged inside the traced function with ``copy=True`` (its
+    Variables belong to that trace, so RNG counts and batch statistics may
+    change there) and the changed non-``wrt`` state is handed out, for the
+    caller to write back with ``nnx.update``.
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"Functions wrapped with jaxtrace.flax.{who} take an nnx.Module as "
+            f"their first argument, but got {type(model).__name__}. For a pytree of arrays use "
+            "jaxtrace.grad / jaxtrace.value_and_grad / jaxtrace.jacrev."
+        )
+    graphdef, diff, rest = nnx.split(model, wrt, ...)
+
+    def split_fun(diff, rest, *args, **kwargs):
+        inner = nnx.merge(graphdef, diff, rest, copy=True)  # Variables of this trace: they may change
+        out = fun(inner, *args, **kwargs)
+        value, aux = out if aux_wanted else (out, None)
+        return value, (aux, nnx.split(inner, wrt, ...)[2])
+
+    return split_fun, diff, rest
 
 
 def value_and_grad(
@@ -81,20 +107,7 @@ def value_and_grad(
     names = stat_names(stats)
 
     def value_and_grad_fun(model, *args, **kwargs):
-        if not isinstance(model, nnx.Module):
-            raise TypeError(
-                "Functions wrapped with jaxtrace.flax.grad or jaxtrace.flax.value_and_grad take an nnx.Module as "
-                f"their first argument, but got {type(model).__name__}. For a pytree of arrays use "
-                "jaxtrace.grad / jaxtrace.value_and_grad."
-            )
-        graphdef, diff, rest = nnx.split(model, wrt, ...)
-
-        def split_fun(diff, rest, *args, **kwargs):
-            inner = nnx.merge(graphdef, diff, rest, copy=True)  # Variables of this trace: they may change
-            out = fun(inner, *args, **kwargs)
-            value, aux = out if aux_wanted else (out, None)
-            return value, (aux, nnx.split(inner, wrt, ...)[2])
-
+        split_fun, diff, rest = _split_model(fun, model, wrt, aux_wanted, "grad or jaxtrace.flax.value_and_grad")
         if names is None:
             transform = _value_and_grad(split_fun, 0, has_aux=True, tags=tags, with_values=with_values)
         else:
@@ -152,3 +165,65 @@ def grad(
         return (*result, *values)
 
     return grad_fun
+
+
+def jacrev(
+    fun: Callable,
+    *,
+    has_aux: bool = False,
+    tags: TagSelection = None,
+    wrt: Any = nnx.Param,
+    stats: Any = None,
+) -> Callable:
+    """``jaxtrace.jacrev`` for an NNX model (first argument), differentiated as ``nnx.grad`` does.
+
+    Which loss term reaches which layer: ``fun`` returns a pytree of loss
+    terms; with ``stats=`` each tag's Jacobian is reduced per term inside the
+    traced function, as ``jaxtrace.stats.jacrev`` does. State the call changes
+    (RNG counts, batch statistics) is written back into the model.
+
+    Args:
+        fun: the function; its first argument is an ``nnx.Module``.
+        has_aux: ``fun`` returns ``(out, aux)``.
+        tags: which tags, as in ``jaxtrace.value_and_grad``.
+        wrt: which variables to differentiate, as in ``nnx.grad``.
+        stats: ``None`` for the full Jacobians; ``True`` or statistic names
+            (``"norm"``) for the table of ``jaxtrace.stats.jacrev``.
+
+    Returns:
+        A function that returns ``(jac, tag_jacs)``, or with ``has_aux``
+        ``((jac, tag_jacs), aux)``: ``jac`` has the output's structure, each
+        leaf an ``nnx.State`` of the ``wrt`` variables; ``tag_jacs`` is what
+        ``jaxtrace.jacrev`` returns, or with ``stats=`` the table
+        ``{tag: {term: {stat: array}}}`` that ``jaxtrace.stats.format_paths`` prints.
+
+    Raises:
+        TypeError: as ``jaxtrace.flax.value_and_grad``.
+        ValueError: if a name in ``stats`` is not in ``jaxtrace.stats.STATS``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt, jaxtrace.flax
+        >>> from flax import nnx
+        >>> model = jt.tag_modules(nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 1, rngs=nnx.Rngs(1))))
+        >>> def losses(model, x):
+        ...     out, acts = jt.capture(model)(x)
+        ...     return {"main": jnp.sum(out ** 2), "aux": jnp.sum(acts["0"] ** 2)}
+        >>> _, table = jaxtrace.flax.jacrev(losses, stats="norm")(model, jnp.ones(2))
+        >>> [name for name in table if float(table[name]["aux"]["norm"]) > 0]  # aux reaches layer 0 only
+        ['0']
+    """
+    check_callable(fun, "jaxtrace.flax.jacrev")
+    aux_wanted = bool(has_aux)
+    names = stat_names(stats)
+
+    def jacrev_fun(model, *args, **kwargs):
+        split_fun, diff, rest = _split_model(fun, model, wrt, aux_wanted, "jacrev")
+        if names is None:
+            transform = _jacrev(split_fun, 0, has_aux=True, tags=tags)
+        else:
+            transform = jt_stats.jacrev(split_fun, 0, has_aux=True, tags=tags, stats=names)
+        result, (aux, new_rest) = transform(diff, rest, *args, **kwargs)
+        nnx.update(model, new_rest)
+        return (result, aux) if aux_wanted else result
+
+    return jacrev_fun

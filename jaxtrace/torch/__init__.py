@@ -54,7 +54,10 @@ Naming and layout of ``module_grads`` (the same conventions as ``jt.tag``):
   it is; its gradients are zeros. Gradients and values come in the module's
   dtype: bfloat16 (and float8) as ``ml_dtypes`` arrays, the types JAX uses.
 
-Needs PyTorch (a CPU build is enough: ``pip install torch --index-url https://download.pytorch.org/whl/cpu``).
+Needs PyTorch. A CPU build is enough: ``pip install torch --index-url
+https://download.pytorch.org/whl/cpu`` (installed first, ``pip install
+"jaxtrace[torch]"`` keeps it; alone, the extra takes PyPI's default build,
+CUDA on Linux).
 """
 
 from __future__ import annotations
@@ -63,9 +66,10 @@ try:
     import torch  # noqa: F401
 except ImportError as _error:  # pragma: no cover - exercised by a test that hides torch
     raise ImportError(
-        "jaxtrace.torch needs PyTorch, which is not installed. A CPU build is enough, and much smaller than "
-        "the default CUDA build on Linux: `pip install torch --index-url https://download.pytorch.org/whl/cpu` "
-        '(or `pip install -e ".[torch]"` from a jaxtrace checkout, which takes the default build).'
+        "jaxtrace.torch needs PyTorch, which is not installed. A CPU build is enough: "
+        "`pip install torch --index-url https://download.pytorch.org/whl/cpu` (PyTorch's CPU index; installed "
+        'first, it is the torch that `pip install -e ".[torch]"` keeps, while the extra alone, like a plain '
+        "`pip install torch`, takes PyPI's default build, a multi-GB CUDA one on Linux)."
     ) from _error
 
 from ._hooks import grad as grad
