@@ -5,7 +5,8 @@ with ghost clipping and with fast gradient clipping, whose per-example norms it 
 BackPACK (``BatchL2Grad``, ``BatchGrad``). Models: an MLP, a small CNN (Conv2d + Linear), and an
 Embedding + Linear sequence model with repeated ids in an example; the torch model's weights are
 copied into the equinox one with ``jaxtrace.torch.load_weights``, and the per-example losses are
-the same (one sum per example). Each peer is skipped when it is not installed.
+the same (one sum per example). Each peer is skipped when it is not installed. jaxtrace's side runs
+under ``eqx.filter_jit`` and, with ``--long``, eagerly (``long_eager``).
 
 Where the clipping formulas are the same (``min(1, C / |g_i|)``, the textbook DP-SGD factor that
 ``jt.clipped_grad`` uses), the clipped sum is built from the peer's per-example gradients or norms
@@ -37,6 +38,7 @@ OPACUS_EPS = 1e-6  # opacus: clip factor max_grad_norm / (norm + 1e-6), in get_c
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Full backward hook is firing"),  # Opacus's and BackPACK's hooks on the input
     pytest.mark.filterwarnings("ignore:Extension saving to"),  # BackPACK: the container module has no rule of its own
+    pytest.mark.long_eager,  # jaxtrace's side eagerly takes ~25 s a model on 2 cores: with --long; under jit always
 ]
 
 
@@ -213,9 +215,10 @@ def case(name, mode):
     return Case(name, mode)
 
 
-@pytest.fixture(params=[(m, mode) for m in MODELS for mode in ("eager", "jit")], ids=lambda p: f"{p[0]}-{p[1]}")
-def c(request):
-    return case(*request.param)
+@pytest.fixture(params=list(MODELS))
+def c(request, maybe_jit):
+    """The model's case, jaxtrace's side run eagerly or under jit (conftest's ``maybe_jit`` names which)."""
+    return case(request.param, request.node.callspec.params["maybe_jit"])
 
 
 def textbook_clipped(per_sample, max_norm):
