@@ -250,9 +250,14 @@ def params_of(model):
 # --- Opacus ----------------------------------------------------------------------------------------
 
 
-def test_opacus_grad_sample(c):
+@pytest.fixture
+def opacus():
+    """Skips a test when Opacus is not installed; first in a test's arguments, before jaxtrace's side runs."""
+    return pytest.importorskip("opacus")
+
+
+def test_opacus_grad_sample(opacus, c):
     """GradSampleModule's per-sample gradients: their norms per parameter, and the clipped sum."""
-    opacus = pytest.importorskip("opacus")
     model = c.torch_copy()
     gsm = opacus.GradSampleModule(model, loss_reduction="sum", batch_first=True)
     losses = c.torch_losses(gsm(c.x), c.y)
@@ -276,9 +281,8 @@ def assert_within_stabiliser(c, grads_by_name, what):
     assert diff <= bound, f"{what}: |Opacus - jaxtrace| = {diff:.3e} above the bound {bound:.3e} from Opacus's 1e-6"
 
 
-def test_opacus_dp_optimizer(c):
+def test_opacus_dp_optimizer(opacus, c):
     """DPOptimizer.pre_step (zero noise): Opacus's own clipped sum, within its stabiliser's bound."""
-    opacus = pytest.importorskip("opacus")
     from opacus.optimizers import DPOptimizer
 
     model = c.torch_copy()
@@ -292,11 +296,10 @@ def test_opacus_dp_optimizer(c):
 
 
 @pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "fast"])
-def test_opacus_fast_gradient_clipping(c, ghost):
+def test_opacus_fast_gradient_clipping(opacus, c, ghost):
     """GradSampleModuleFastGradientClipping: its per-parameter and total norms (ghost norms for Linear
     and Embedding, per-sample gradients for Conv2d, or for all with ghost=False), then its second
     backward pass of ``sum_i w_i losses[i]`` with the textbook ``w_i``: the clipped sum."""
-    pytest.importorskip("opacus")
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
     model = c.torch_copy()
@@ -317,10 +320,9 @@ def test_opacus_fast_gradient_clipping(c, ghost):
     assert_clipped(c, {n: p.grad for n, p in params_of(model).items()}, f"Opacus ghost={ghost}, second pass")
 
 
-def test_opacus_ghost_clipping_loss(c):
+def test_opacus_ghost_clipping_loss(opacus, c):
     """Opacus's whole ghost-clipping step (DPLossFastGradientClipping's two passes, its clip factor
     with the 1e-6), within its stabiliser's bound."""
-    pytest.importorskip("opacus")
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
@@ -345,10 +347,15 @@ def test_opacus_ghost_clipping_loss(c):
 # --- BackPACK --------------------------------------------------------------------------------------
 
 
-def test_backpack(c):
+@pytest.fixture
+def backpack():
+    """Skips a test when BackPACK is not installed; first in a test's arguments, before jaxtrace's side runs."""
+    return pytest.importorskip("backpack")
+
+
+def test_backpack(backpack, c):
     """BatchL2Grad's per-parameter squared norms, and BatchGrad's per-example gradients: their norms
     and the clipped sum."""
-    backpack = pytest.importorskip("backpack")
     from backpack.extensions import BatchGrad, BatchL2Grad
 
     model = backpack.extend(c.torch_copy())
