@@ -45,9 +45,14 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # of one entry into a tuple that sorts entries in the order the program computes them.
 
 
-def _templates(program, jaxpr=None, cache=None) -> dict:
-    """``{site key: template}`` for the sites of ``jaxpr`` (default: the whole program)."""
+_MODULE_TAGS = os.path.join(_PACKAGE_DIR, "_module_tags.py")
+
+
+def _templates(program, jaxpr=None, cache=None, modules=None) -> dict:
+    """``{site key: template}`` for the sites of ``jaxpr`` (default: the whole program); the keys
+    of the tags that ``jt.tag_modules`` made are added to ``modules``."""
     cache = {} if cache is None else cache
+    modules = set() if modules is None else modules
     jaxpr = program.jaxpr if jaxpr is None else jaxpr
     jaxpr, _ = _compat.jaxpr_and_consts(jaxpr)
     if id(jaxpr) in cache:
@@ -60,9 +65,12 @@ def _templates(program, jaxpr=None, cache=None) -> dict:
             if not slot.primary:  # a copy JAX made (remat): its values are the original's
                 continue
             template: tuple = ("tag", i)
-            if not is_tag(eqn):
+            if is_tag(eqn):
+                if any(os.path.abspath(f) == _MODULE_TAGS for f in _compat.frame_files(eqn)):
+                    modules.add(key)
+            else:
                 for body in _compat.sub_jaxprs(eqn.params):
-                    inner = _templates(program, body, cache).get(key)
+                    inner = _templates(program, body, cache, modules).get(key)
                     if inner is not None:
                         kind = "loop" if eqn.primitive.name in _compat.SCAN else "in"
                         template = (kind, i, inner)
@@ -102,15 +110,14 @@ def _path(template: tuple, steps: tuple) -> tuple[tuple, tuple]:
 # --- static description of the tags ------------------------------------------------------------
 
 
-def _source(site: Site) -> str:
-    """``file:line`` of the ``jt.tag`` call(s), or the module path for ``tag_modules`` (whose tags
-    are called inside jaxtrace)."""
+def _source(site: Site, module: bool) -> str:
+    """``file:line`` of the ``jt.tag`` call(s), or the module path for a ``tag_modules`` tag."""
+    if module:
+        return site.name
     lines = []
     for source in site.sources:
         match = re.match(r"^(.*?):(\d+)(?::\d+)?(?: \(.*\))?$", source)
         lines.append(f"{match.group(1)}:{match.group(2)}" if match else source)
-    if lines and all(os.path.abspath(line.rsplit(":", 1)[0]).startswith(_PACKAGE_DIR) for line in lines):
-        return site.name
     return ", ".join(lines)
 
 
@@ -480,7 +487,8 @@ def find_nonfinite(
 
         (value, (aux, values)), (g_diff, g_eps) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(diff, eps)
 
-        templates = _templates(split.program)
+        modules: set = set()
+        templates = _templates(split.program, modules=modules)
         by_name: dict = {}
         for site in sites:
             by_name.setdefault(site.name, []).append(site)
@@ -493,7 +501,7 @@ def find_nonfinite(
             template = templates.get(first.key, ("tag", -1 - rank))
             for _ in range(loops - _loop_count(template)):  # never expected: a loop the walk did not see
                 template = ("loop", -1 - rank, template)
-            meta_tags.append(_Tag(name, _source(first), tuple(user[:loops]), tuple(user[loops : loops + examples]), template))
+            meta_tags.append(_Tag(name, _source(first, first.key in modules), tuple(user[:loops]), tuple(user[loops : loops + examples]), template))
             prefix = loops + examples
             value_codes.append(_first_code([s.to_user(values[s.key]) for s in group if s.key in values], prefix, loops, False))
             grads = [s.to_user(g_eps[s.key]) for s in group if s.key in g_eps]
