@@ -437,15 +437,15 @@ def find_nonfinite(
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
-        >>> def loss(w, x):
-        ...     h = jt.tag(x * w, "h")
-        ...     y = jt.tag(jnp.where(h > 0, jnp.log(h), 0.0), "y")
+        >>> def loss(params, x):
+        ...     h = jt.tag(x * params["w"], "h")
+        ...     y = jt.tag(jnp.where(h > 0, jnp.log(h), 0.0), "y")  # log's derivative at 0 reaches h
         ...     return jnp.sum(y)
-        >>> report = jax.jit(jt.find_nonfinite(loss))(1.0, jnp.array([1.0, 0.0]))
+        >>> report = jax.jit(jt.find_nonfinite(loss))({"w": 1.0}, jnp.array([1.0, 0.0]))
         >>> report.first_value is None, report.first_gradient.name, report.params
-        (True, 'h', [''])
-        >>> print(str(report).split(": ")[0])
-        Every tagged value is finite (2 tags). The gradients are finite down to 'y' and not at 'h' (<doctest jaxtrace._nonfinite.find_nonfinite[1]>:2)
+        (True, 'h', ['w'])
+        >>> print(report)  # doctest: +ELLIPSIS
+        Every tagged value is finite (2 tags). The gradients are finite down to 'y' and not at 'h' (...): the NaN begins in the backward pass of the code between them. ...
     """
     check_callable(fun, "jaxtrace.find_nonfinite")
     check_tags(tags)
@@ -508,7 +508,7 @@ def find_nonfinite(
             gradient_codes.append(_first_code(grads, prefix, loops, True))
         param_bad = [~jnp.all(jnp.isfinite(g)) for g in g_diff]
         # Paths inside the argument with one argnum (as its gradient's), else from the tuple of arguments.
-        chosen = [p[1:] if len(nums) == 1 else p for (p, _), m in zip(paths_and_leaves, mask) if m]
+        chosen = [_param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]
         meta = _Meta(tuple(meta_tags), tuple(path_name(p) for p in chosen), bool(has_aux))
         return NonfiniteReport(
             value,
@@ -520,6 +520,13 @@ def find_nonfinite(
         )
 
     return report_fun
+
+
+def _param_path(path: tuple) -> tuple:
+    """A parameter's path without the ``.value`` attribute of a Flax NNX ``Variable`` at its end."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        return path[:-1]
+    return path
 
 
 def _loop_count(template: tuple) -> int:

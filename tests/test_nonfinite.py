@@ -355,3 +355,26 @@ def test_the_first_tag_already_nonfinite_and_aux(maybe_jit):
     assert (report.first_value.name, report.first_value.kind) == ("h", "inf")
     assert "The value at 'h'" in str(report) and "it is the first tag the program computes" in str(report)
     assert report.aux["n"] == jnp.inf
+
+
+def test_flax_nnx_model_tagged_with_tag_modules(maybe_jit, dtype):
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0), param_dtype=dtype), nnx.tanh, nnx.Linear(3, 1, rngs=nnx.Rngs(1), param_dtype=dtype))
+    model.layers[2].kernel[...] = model.layers[2].kernel[...].at[1, 0].set(jnp.nan)  # a NaN weight in the last layer
+    model = jt.tag_modules(model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graphdef, params, rest)(x))
+
+    report = maybe_jit(jt.find_nonfinite(loss))(params, jnp.ones((4, 2), dtype))
+    at = report.first_value
+    assert (at.name, at.index, at.source, at.kind) == ("2", (), "2", "NaN")
+    assert "The values are finite up to '0' and not at '2', the NaN begins" not in str(report)
+    assert "The values are finite up to '0' and not at '2': the NaN begins in the code between them." in str(report)
+    # Oracle: the layers by hand; the NaN weight's gradient is finite, the other kernel's is not.
+    h = jnp.tanh(jnp.ones((4, 2), dtype) @ model.layers[0].kernel[...] + model.layers[0].bias[...])
+    assert np.all(np.isfinite(h)) and np.all(np.isnan(h @ model.layers[2].kernel[...]))
+    assert report.params == ["layers.0.bias", "layers.0.kernel"]  # the NaN kernel's own gradient is finite
+    g = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.ones((4, 2), dtype))))(params)
+    assert not np.all(np.isfinite(g["layers"][0]["kernel"][...])) and np.all(np.isfinite(g["layers"][2]["kernel"][...]))
