@@ -378,3 +378,67 @@ def test_flax_nnx_model_tagged_with_tag_modules(maybe_jit, dtype):
     assert report.params == ["layers.0.bias", "layers.0.kernel"]  # the NaN kernel's own gradient is finite
     g = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.ones((4, 2), dtype))))(params)
     assert not np.all(np.isfinite(g["layers"][0]["kernel"][...])) and np.all(np.isfinite(g["layers"][2]["kernel"][...]))
+
+
+def test_checkpoint_cond_and_repeated_calls_keep_the_program_order(maybe_jit):
+    """A checkpointed scan body, a tag in a cond branch, and repeated calls with another tag between them."""
+
+    def loss(w, xs):
+        def block(h):
+            return jt.tag(h * w, "block", repeated=True)
+
+        h = block(jnp.ones(2))
+        h = jt.tag(jax.lax.cond(h[0] > 0, lambda h: jt.tag(h + 1.0, "branch"), lambda h: h, h), "cond")
+        h = block(h)  # call 1 of "block", after "branch" and "cond"
+
+        @jax.checkpoint
+        def layer(h, x):
+            h = jt.tag(h * x, "scaled")
+            return jt.tag(jnp.log(h), "logged"), None
+
+        h, _ = jax.lax.scan(layer, h, xs)
+        return jnp.sum(h)
+
+    xs = jnp.asarray([1.0, 2.0, -1.0, 1.0])  # log of a negative at step 2
+    report = maybe_jit(jt.find_nonfinite(loss))(2.0, xs)
+    assert report.names == ["block", "branch", "cond", "scaled", "logged"]
+    at = report.first_value
+    assert (at.name, at.index, at.kind) == ("logged", (2,), "NaN")
+    assert "finite up to 'scaled' and not at 'logged'" in str(report)
+    assert report.first_gradient.name == "scaled" and report.first_gradient.index == (3,)
+
+    # The repeated calls sit at their own places: call 1 of "block" comes after "cond".
+    report = maybe_jit(jt.find_nonfinite(loss))(jnp.inf, xs)
+    assert (report.first_value.name, report.first_value.index) == ("block", (0,))
+    text = str(report)
+    assert "The value at 'block'" in text and ", call 0 is an inf" in text
+
+
+def test_the_neighbour_across_loop_steps():
+    """The entry before step 2's first tag is the last tag of step 1."""
+
+    def loss(xs):
+        def step(h, x):
+            h = jt.tag(jnp.log(h * x), "a")
+            return jt.tag(h + 1.0, "b"), None
+
+        h, _ = jax.lax.scan(step, 3.0, xs)
+        return h
+
+    report = jax.jit(jt.find_nonfinite(loss))(jnp.asarray([1.0, 1.0, -1.0]))
+    assert (report.first_value.name, report.first_value.index) == ("a", (2,))
+    assert "The values are finite up to 'b' (scan step 1) and not at 'a'" in str(report)
+
+
+def test_repeated_calls_are_ordered_each_at_its_place():
+    def loss(c):
+        h = jt.tag(jnp.ones(2), "block", repeated=True)
+        h = jt.tag(h * c, "between")  # inf here, and so in call 1 of "block" below
+        h = jt.tag(h * 2.0, "block", repeated=True)
+        return jnp.sum(h)
+
+    report = jax.jit(jt.find_nonfinite(loss))(jnp.inf)
+    assert (report.first_value.name, report.first_value.index) == ("between", ())
+    assert "finite up to 'block' (call 0) and not at 'between'" in str(report)
+    report = jax.jit(jt.find_nonfinite(loss))(1.0)
+    assert report.first_value is None and report.first_gradient is None
