@@ -220,7 +220,14 @@ class NonfiniteReport:
                 "jax.jit (or another transform) around jaxtrace.find_nonfinite. Return the report from the "
                 "jitted function and read it there."
             )
-        return np.asarray(codes).reshape(-1)
+        codes = np.asarray(codes)
+        if codes.ndim != 1:
+            raise ValueError(
+                f"This NonfiniteReport holds its per-tag entries with shape {codes.shape}, not one per tag: a "
+                "transform around jaxtrace.find_nonfinite (jax.vmap) added axes to them. Put the jax.vmap inside "
+                "the function given to find_nonfinite (the report then names the example), or call it once per batch."
+            )
+        return codes
 
     def _found(self, codes, backward: bool) -> list[tuple[tuple, NonfiniteAt]]:
         """``(sort key, NonfiniteAt)`` for every tag with a non-finite entry."""
@@ -229,16 +236,14 @@ class NonfiniteReport:
             if code == _NONE:
                 continue
             flat, inf = divmod(int(code), 2)
-            index = tuple(int(i) for i in np.unravel_index(flat, (*tag.loops, *tag.examples))) if tag.loops or tag.examples else ()
-            steps = index[: len(tag.loops)]
+            shape = (*tag.loops, *tag.examples)
+            index = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
+            steps, examples = index[: len(tag.loops)], index[len(tag.loops) :]
             if backward:  # the loop axes were reversed on the device
                 steps = tuple(n - 1 - s for n, s in zip(tag.loops, steps))
             key, kinds = _path(tag.template, steps)
-            where = NonfiniteAt(
-                tag.name, (*steps, *index[len(tag.loops) :]), tag.source, "inf" if inf else "NaN",
-                steps, index[len(tag.loops) :], kinds,
-            )
-            found.append((key, where))
+            kind = "inf" if inf else "NaN"
+            found.append((key, NonfiniteAt(tag.name, (*steps, *examples), tag.source, kind, steps, examples, kinds)))
         return found
 
     @property

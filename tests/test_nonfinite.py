@@ -442,3 +442,14 @@ def test_repeated_calls_are_ordered_each_at_its_place():
     assert "finite up to 'block' (call 0) and not at 'between'" in str(report)
     report = jax.jit(jt.find_nonfinite(loss))(1.0)
     assert report.first_value is None and report.first_gradient is None
+
+
+def test_a_vmap_around_it_is_an_error_not_a_mixed_up_report():
+    def loss(x):
+        return jnp.sum(jnp.log(jt.tag(x, "x")))
+
+    report = jax.vmap(jt.find_nonfinite(loss))(jnp.asarray([[1.0, 2.0], [1.0, -1.0]]))
+    with pytest.raises(ValueError, match="Put the jax.vmap inside"):
+        report.first_value
+    with pytest.raises(TypeError, match="read on the host"):
+        jax.jit(lambda x: jt.find_nonfinite(loss)(x).first_value)(jnp.ones(2))
