@@ -1,5 +1,8 @@
 """jt.find_nonfinite: the tag, loop step and example where a NaN or an inf began, in real traps.
 
+The eager variants of the heavier tests run with --long (op-by-op dispatch compiles every small
+operation); their jit variants always run.
+
 Each trap is checked against an oracle: the same program written with an explicit ``+ eps`` at
 each tag and differentiated with plain ``jax.grad`` (the values and the cotangents at the tags), or
 a closed form where the program says which entry breaks. Under ``jax.jit`` and without, in float64
@@ -117,6 +120,7 @@ def self_distance(x, t):
     return jnp.sum(dist)
 
 
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
 def test_sqrt_of_zero_distance_only_backward(maybe_jit, dtype):
     x = jnp.asarray([[0.0, 1.0], [2.0, 0.5], [1.0, 1.0]], dtype)
     report = maybe_jit(jt.find_nonfinite(tagged(self_distance)))(x)
@@ -145,6 +149,7 @@ def attention(w, q, k, v, mask, t):
     return jnp.sum(jax.vmap(one)(q, k, v, mask))
 
 
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
 def test_fully_masked_attention_row(maybe_jit, dtype):
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (3, 4, 2), dtype) for key in (kq, kk, kv))
@@ -154,11 +159,10 @@ def test_fully_masked_attention_row(maybe_jit, dtype):
     report = maybe_jit(jt.find_nonfinite(tagged(attention)))(w, q, k, v, mask)
     at = report.first_value
     assert (at.name, at.index, at.kind, at.examples) == ("probs", (1,), "NaN", (1,))
-    # Oracle: the same attention, example by example, in plain JAX.
-    for b in range(3):
-        probs = jax.nn.softmax(jnp.where(mask[b], q[b] @ k[b].T * w, -jnp.inf), axis=-1)
-        assert np.all(np.isfinite(probs)) == (b != 1)
-        assert np.all(np.isfinite(q[b] @ k[b].T * w))
+    # Oracle: the same attention in plain JAX.
+    scores = jnp.einsum("bqd,bkd->bqk", q, k) * w
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    assert np.all(np.isfinite(scores)) and list(np.all(np.isfinite(probs), axis=(1, 2))) == [True, False, True]
     line = line_of(attention, '"probs"')
     assert (
         f"The values are finite up to 'scores' and not at 'probs' ({HERE}:{line}), example 1: the NaN begins in the "
@@ -193,6 +197,7 @@ def per_example(values, name, n):
     return np.stack([np.asarray(values[(name, b)]) for b in range(n)])
 
 
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
 def test_log_of_zero_in_cross_entropy(maybe_jit, dtype):
     w = jnp.asarray([[1.0, -1.0, 0.0], [0.0, 0.0, 1.0]], dtype)
     x = jnp.asarray([[1.0, 0.0], [1000.0, 0.0], [0.0, 1.0]], dtype)  # example 1: logits 1000 apart
@@ -245,6 +250,7 @@ def scanned_stack_unrolled(scales, xs, t):
     return total
 
 
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
 def test_bfloat16_overflow_in_layer_5_of_a_scanned_stack(maybe_jit, dtype):
     scales = jnp.asarray([1.0, 1.0, 1.0, 1.0, 1.0, 1e38, 1.0, 1.0], dtype)
     xs = jnp.asarray([[0.5, 0.1], [0.2, 0.3], [0.9, 20.0]], dtype)  # only micro-batch 2 reaches 3.4e38 at layer 5
@@ -278,6 +284,7 @@ def per_example_recurrence(w, xs, t):
     return jnp.sum(jax.vmap(one)(xs))
 
 
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
 def test_nan_at_one_vmapped_example_and_step(maybe_jit, dtype):
     xs = jnp.asarray([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, -9.0, 1.0], [2.0, 2.0, 2.0, 2.0]], dtype)
     w = jnp.asarray(1.0, dtype)
@@ -300,6 +307,7 @@ class Sqrt(eqx.Module):
         return jnp.sqrt(x)
 
 
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
 def test_equinox_model_tagged_with_tag_modules(maybe_jit, dtype):
     key = jax.random.key(0)
     model = eqx.nn.Sequential(
@@ -357,6 +365,7 @@ def test_the_first_tag_already_nonfinite_and_aux(maybe_jit):
     assert report.aux["n"] == jnp.inf
 
 
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
 def test_flax_nnx_model_tagged_with_tag_modules(maybe_jit, dtype):
     nnx = pytest.importorskip("flax.nnx")
     model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0), param_dtype=dtype), nnx.tanh, nnx.Linear(3, 1, rngs=nnx.Rngs(1), param_dtype=dtype))
@@ -380,6 +389,7 @@ def test_flax_nnx_model_tagged_with_tag_modules(maybe_jit, dtype):
     assert not np.all(np.isfinite(g["layers"][0]["kernel"][...])) and np.all(np.isfinite(g["layers"][2]["kernel"][...]))
 
 
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
 def test_checkpoint_cond_and_repeated_calls_keep_the_program_order(maybe_jit):
     """A checkpointed scan body, a tag in a cond branch, and repeated calls with another tag between them."""
 
