@@ -19,6 +19,8 @@ from ._forward import capture as capture
 from ._forward import jvp as jvp
 from ._forward import patch as patch
 from ._tag_modules import tag_modules as tag_modules
+from ._nonfinite import find_nonfinite as find_nonfinite
+from ._nonfinite import NonfiniteReport as NonfiniteReport
 from ._patch_grad import patch_grad as patch_grad
 from ._per_example import clipped_grad as clipped_grad
 from ._per_example import per_example_norms as per_example_norms

@@ -276,6 +276,14 @@ def user_lines(eqn) -> tuple:
                  for f in _source_info_util.user_frames(eqn.source_info.traceback))
 
 
+def frame_files(eqn) -> tuple:
+    """The file of every frame of an equation's traceback, innermost first, jaxtrace's and JAX's
+    included (``user_lines`` leaves those out)."""
+    traceback = eqn.source_info.traceback
+    code, _ = traceback.raw_frames() if traceback else ([], [])
+    return tuple(c.co_filename for c in code)
+
+
 def is_linearizing(invals: Sequence[Any]) -> bool:
     """Whether ``jax.vjp`` is differentiating through these values (``_linearized_bind``'s case)."""
     return _LINEARIZE_TRACER is not None and any(isinstance(v, _LINEARIZE_TRACER) for v in invals)
