@@ -19,8 +19,10 @@ alone (``fallback="vmap"``), or refused (``fallback="error"``).
 
 The package, one concept a file: ``_factors`` (the factors ``Use`` / ``Index`` and the
 squared-norm arithmetic), ``_rules`` (the per-layer rule registry), ``_plan`` (the model's
-differentiated leaves and which layer uses which), ``_pass`` (the one pass and the norms
-from it), ``_transforms`` (the public functions).
+differentiated leaves and which layer uses which), ``_owners`` (which example's loss each
+element reaches: the per-primitive rules), ``_proof`` (the factorisation's conditions read
+from the traced program), ``_uses`` (leaves used outside their layers), ``_pass`` (the one
+pass and the norms from it), ``_transforms`` (the public functions).
 """
 
 from ._transforms import clip_weights as clip_weights

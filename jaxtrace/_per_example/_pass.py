@@ -24,7 +24,8 @@ from .._sites import TagError
 from .._tag import tag as _tag
 from ._factors import sq_norm, weighted_sum
 from ._plan import plan_for
-from ._proof import Every, prove
+from ._owners import Every
+from ._proof import prove
 from ._uses import used_outside
 
 _SHARED = ":shared:"  # "<path>:shared:<k>": a shared layer output where it meets the examples
@@ -175,7 +176,7 @@ class Call:
     def _factors(self) -> tuple[dict, set, list, dict]:
         """``({leaf: [Use or (steps, Use)]}, {leaves the losses do not depend on}, [the exact-path leaves],
         {leaf: why not on factors})``, by index (for ``batch > 1``)."""
-        plan, batch, dtypes = self.plan, self.batch, self._dtypes
+        plan, dtypes = self.plan, self._dtypes
         _, tag_cts = self._first_pullback
         uses: dict = {}
         why: dict = {i: "no per-layer rule covers it" for i in range(len(plan.leaves))}

@@ -1,0 +1,285 @@
+"""Ownership: which example's loss each element of a value can reach, and the per-primitive rules.
+
+``Axis(unit)``: the element with flat index ``f`` reaches only the loss of example
+``(f // unit) % B``; ``Every(kind, eqn)``: it may reach every example's loss; ``None``: no
+loss. ``OWNERS`` maps a primitive's name to its rule ``(analysis, eqn, output states, ctx) ->
+operand states`` (``None`` where the rule cannot read the layout: the operands then reach every
+loss, "unknown"). The analysis that runs them is ``_proof``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .. import _compat
+
+# --- ownership states ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """Element with flat (row-major) index ``f`` reaches only the loss of example ``(f // unit) % B``."""
+
+    unit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Every:
+    """Reaches every example's loss. ``kind``: "shared" (a value broadcast to every example),
+    "mix" (an operation that reads several examples), "unknown" (no rule); ``eqn``: where."""
+
+    kind: str
+    eqn: Any
+
+
+def axis_of(shape: Sequence[int], state: Axis, batch: int) -> Optional[tuple[int, int]]:
+    """``(axis, inner)``: the example of index ``k`` along ``axis`` is ``k // inner``; None if no axis is."""
+    after = 1
+    for j in range(len(shape) - 1, -1, -1):
+        if state.unit % after == 0:
+            inner = state.unit // after
+            if shape[j] == batch * inner:
+                return j, inner
+        after *= shape[j]
+    return None
+
+
+def unit(shape: Sequence[int], axis: int, inner: int) -> Axis:
+    return Axis(inner * math.prod(shape[axis + 1 :]))
+
+
+def shape_of(atom) -> tuple:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def inexact(atom) -> bool:
+    dtype = getattr(atom.aval, "dtype", None)
+    return dtype is not None and np.issubdtype(dtype, np.inexact)
+
+
+# --- per-primitive ownership rules: (analysis, eqn, out states, ctx) -> operand states ---------
+
+OWNERS: dict[str, Callable] = {}
+MULTI = {"split", "sort", "top_k"}
+
+
+def register(*names):
+    def deco(rule):
+        for n in names:
+            OWNERS[n] = rule
+        return rule
+
+    return deco
+
+
+ELEMENTWISE = {
+    "add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "and", "or", "xor", "not",
+    "eq", "ne", "lt", "le", "gt", "ge", "neg", "exp", "exp2", "log", "log1p", "expm1", "tanh",
+    "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "sqrt", "rsqrt", "cbrt", "abs", "sign", "floor", "ceil", "round", "is_finite",
+    "select_n", "clamp", "convert_element_type", "integer_pow", "square", "erf", "erfc", "erf_inv",
+    "lgamma", "digamma", "reduce_precision", "nextafter", "copy", "copy_p", "stop_gradient", "real",
+    "imag", "conj", "complex", "add_any", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "optimization_barrier", "jaxtrace_tag",
+}
+SHAPE_ONLY = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy"}
+
+
+@register(*ELEMENTWISE)
+def elementwise(an, eqn, outs, ctx):
+    out_shape = shape_of(eqn.outvars[0])
+    where = axis_of(out_shape, outs[0], an.batch)
+    ins = []
+    for a in eqn.invars:
+        shape = shape_of(a)
+        if where is None:  # keep the flat pattern where shapes agree
+            ins.append(outs[0] if shape == out_shape else Every("unknown", eqn))
+        elif len(shape) != len(out_shape):
+            ins.append(Every("shared", eqn))  # a scalar operand reaches every example
+        elif shape[where[0]] == out_shape[where[0]]:
+            ins.append(unit(shape, *where))
+        else:
+            ins.append(Every("shared", eqn))  # broadcast along the examples (a size-1 axis)
+    return ins
+
+
+@register("broadcast_in_dim")
+def _broadcast(an, eqn, outs, ctx):
+    out_shape, shape = shape_of(eqn.outvars[0]), shape_of(eqn.invars[0])
+    where = axis_of(out_shape, outs[0], an.batch)
+    if where is None:
+        return None
+    dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
+    rest = [None] * (len(eqn.invars) - 1)
+    if where[0] in dims and shape[dims.index(where[0])] == out_shape[where[0]]:
+        return [unit(shape, dims.index(where[0]), where[1]), *rest]
+    return [Every("shared", eqn), *rest]
+
+
+@register("reshape", "squeeze", "expand_dims")
+def _reshape(an, eqn, outs, ctx):
+    return [outs[0]] + [None] * (len(eqn.invars) - 1)  # the flat index is unchanged
+
+
+@register("transpose")
+def _transpose(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    if where is None:
+        return None
+    perm = eqn.params["permutation"]
+    return [unit(shape_of(eqn.invars[0]), int(perm[where[0]]), where[1])]
+
+
+def _kept_axis(eqn, outs, an, removed):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    if where is None:
+        return None
+    kept = [i for i in range(len(shape_of(eqn.invars[0]))) if i not in removed]
+    return unit(shape_of(eqn.invars[0]), kept[where[0]], where[1])
+
+
+@register("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin")
+def _reduce(an, eqn, outs, ctx):
+    s = _kept_axis(eqn, outs, an, {int(a) for a in eqn.params["axes"]})
+    return None if s is None else [s] + [None] * (len(eqn.invars) - 1)
+
+
+@register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "rev")
+def _along(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    axes = eqn.params.get("dimensions", (eqn.params.get("axis"),))
+    if where is None:
+        return None
+    if where[0] in {int(a) for a in axes}:
+        return [Every("mix", eqn)]
+    return [outs[0]]
+
+
+@register("sort", "split", "top_k")
+def _sorted(an, eqn, outs, ctx):
+    states = [s for s in outs if s is not None]
+    if eqn.primitive.name == "split":
+        axis = int(eqn.params["axis"])
+        wheres = {axis_of(shape_of(v), s, an.batch) for v, s in zip(eqn.outvars, outs) if s is not None}
+        if len(wheres) != 1 or None in wheres or next(iter(wheres))[0] == axis:
+            return None
+        return [unit(shape_of(eqn.invars[0]), *next(iter(wheres)))]
+    axis = int(eqn.params.get("dimension", len(shape_of(eqn.invars[0])) - 1))
+    wheres = {axis_of(shape_of(eqn.outvars[0]), s, an.batch) for s in states}
+    if len(wheres) != 1 or None in wheres:
+        return None
+    where = next(iter(wheres))
+    if where[0] == axis:
+        return [Every("mix", eqn)] * len(eqn.invars)
+    return [unit(shape_of(a), *where) for a in eqn.invars]
+
+
+@register("dot_general")
+def _dot(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    if where is None:
+        return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    lfree = [i for i in range(len(lhs)) if i not in lc and i not in lb]
+    rfree = [i for i in range(len(rhs)) if i not in rc and i not in rb]
+    j, inner = where
+    if j < len(lb):
+        return [unit(lhs, int(lb[j]), inner), unit(rhs, int(rb[j]), inner)]
+    if j < len(lb) + len(lfree):
+        return [unit(lhs, lfree[j - len(lb)], inner), Every("shared", eqn)]
+    return [Every("shared", eqn), unit(rhs, rfree[j - len(lb) - len(lfree)], inner)]
+
+
+@register("conv_general_dilated")
+def _conv(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    dn = eqn.params["dimension_numbers"]
+    if where is None or eqn.params.get("batch_group_count", 1) != 1 or where[0] != dn.out_spec[0]:
+        return None
+    return [unit(shape_of(eqn.invars[0]), int(dn.lhs_spec[0]), where[1]), Every("shared", eqn)]
+
+
+@register("gather")
+def _gather(an, eqn, outs, ctx):
+    out_shape = shape_of(eqn.outvars[0])
+    where = axis_of(out_shape, outs[0], an.batch)
+    if where is None:
+        return None
+    j, inner = where
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    operand, indices = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    offset = tuple(dn.offset_dims)
+    collapsed = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
+    if j in offset:
+        od = [d for d in range(len(operand)) if d not in collapsed][offset.index(j)]
+        if sizes[od] != operand[od] or od in dn.start_index_map:
+            return None
+        return [unit(operand, od, inner), Every("shared", eqn)]
+    # an output batch dimension: an axis of the indices (their last axis holds the index vector)
+    batch_out = [d for d in range(len(out_shape)) if d not in offset]
+    idim = [d for d in range(len(indices) - 1)][batch_out.index(j)]
+    idx_state = unit(indices, idim, inner)
+    obd, ibd = tuple(getattr(dn, "operand_batching_dims", ())), tuple(getattr(dn, "start_indices_batching_dims", ()))
+    if idim in ibd:
+        return [unit(operand, int(obd[ibd.index(idim)]), inner), idx_state]
+    info = an.iota.get((ctx, eqn.invars[1])) if not isinstance(eqn.invars[1], _compat.Literal) else None
+    if inner == 1 and info and info[0] == "components" and info[1] == len(indices) - 1:
+        for k, d in info[2].items():
+            od = dn.start_index_map[k]
+            if d == idim and od in collapsed and operand[od] == an.batch:
+                return [unit(operand, od, 1), idx_state]
+    return [Every("shared", eqn), idx_state]
+
+
+@register("dynamic_slice")
+def _dynamic_slice(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    sizes, shape = eqn.params["slice_sizes"], shape_of(eqn.invars[0])
+    if where is None or sizes[where[0]] != shape[where[0]]:
+        return None
+    return [unit(shape, *where)] + [None] * (len(eqn.invars) - 1)
+
+
+@register("dynamic_update_slice")
+def _dynamic_update(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    shape, upd = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    if where is None or upd[where[0]] != shape[where[0]]:
+        return None
+    return [unit(shape, *where), unit(upd, *where)] + [None] * (len(eqn.invars) - 2)
+
+
+@register("slice")
+def _slice(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    shape = shape_of(eqn.invars[0])
+    if where is None or shape_of(eqn.outvars[0])[where[0]] != shape[where[0]]:
+        return None
+    return [unit(shape, *where)]
+
+
+@register("pad")
+def _pad(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    shape = shape_of(eqn.invars[0])
+    if where is None or shape[where[0]] != shape_of(eqn.outvars[0])[where[0]]:
+        return None
+    return [unit(shape, *where), Every("shared", eqn)]
+
+
+@register("concatenate")
+def _concatenate(an, eqn, outs, ctx):
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    if where is None or where[0] == eqn.params["dimension"]:
+        return None
+    return [unit(shape_of(a), *where) for a in eqn.invars]
+
+
+@register("iota", "rng_bit_generator", "random_bits", "random_seed", "random_wrap", "random_unwrap", "threefry2x32")
+def _no_gradient(an, eqn, outs, ctx):
+    return [None] * len(eqn.invars)
