@@ -131,7 +131,7 @@ def assert_matches(modules, expected, rtol=1e-12, atol=1e-13, zero_ok=()):
     """jaxtrace's ``module_grads`` equal the oracle's, leaf by leaf, call by call.
 
     An all-zero oracle leaf cannot tell right from wrong: it fails unless its path is in
-    ``zero_ok``. Returns the paths that had one.
+    ``zero_ok``. Returns ``{(path, leaf index)}`` of those.
     """
     zeros = set()
     for path, calls in expected.items():
@@ -147,7 +147,7 @@ def assert_matches(modules, expected, rtol=1e-12, atol=1e-13, zero_ok=()):
                 scale = float(b.abs().max()) if b.numel() else 0.0
                 np.testing.assert_allclose(a, b.numpy(), rtol=0, atol=atol + rtol * scale, err_msg=f"{path} call {c} leaf {j}")
                 if scale == 0:
-                    zeros.add(path)
+                    zeros.add((path, j))
                     assert path in zero_ok, f"{path}: an all-zero oracle cannot tell right from wrong"
     return zeros
 

@@ -1,0 +1,204 @@
+"""A torch-side oracle sweep (issue 34): a zoo of models, every module against zero-perturbation hooks.
+
+Hugging Face models built from tiny configs (random init, no download: GPT-2, BERT, Llama, T5,
+ViT, ALBERT) and a hand-written model with the seams of issue 34 in one forward pass (an
+aliasing output changed in place later, an in-place module, a ``torch.no_grad()`` part, a
+keyword-only call made twice, a user's forward hook registered before jaxtrace's that the
+model reads). For each, in float64, with ``where=None, inputs=True``:
+
+- every module's output (and input) gradient equals the oracle's (``torch_common.oracle``: a
+  forward hook registered with ``prepend=True`` returning ``output + eps``), on two calls, with
+  and without ``output_attentions`` / ``output_hidden_states`` (without: after a call with them,
+  so Hugging Face's output recorders are installed and stay);
+- the parameter gradients and the loss equal those of a run with no hooks;
+- the model's forward output is bit for bit what it is without jaxtrace.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxtrace.torch as jtt  # noqa: E402
+from torch_common import assert_matches, assert_params, leaves, nn, oracle, plain  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+torch.set_num_threads(1)
+transformers.logging.set_verbosity_error()
+
+RECORD = dict(output_attentions=True, output_hidden_states=True)
+
+
+# --- the zoo: each maker returns (model, args, kwargs, in_place) --------------------------
+
+
+def _ids(vocab, shape=(2, 5), seed=0):
+    return torch.randint(1, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=8, n_layer=1, n_head=2, attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).double().eval(), (_ids(40),), dict(use_cache=False), ()
+
+
+def bert():
+    cfg = transformers.BertConfig(
+        vocab_size=29, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, attn_implementation="eager",
+    )
+    torch.manual_seed(1)
+    ids = _ids(29, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # padding: the extended attention mask is a float constant made in forward
+    return transformers.BertModel(cfg).double().eval(), (ids,), dict(attention_mask=mask), ()
+
+
+def llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager",
+    )
+    torch.manual_seed(2)
+    # The rotary embedding's forward runs under torch.no_grad(): its cos / sin are constants that
+    # jaxtrace differentiates through fresh leaves, as the oracle's + eps does.
+    return transformers.LlamaForCausalLM(cfg).double().eval(), (_ids(40, seed=2),), dict(use_cache=False), ()
+
+
+def t5():
+    cfg = transformers.T5Config(
+        vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0,
+    )
+    torch.manual_seed(3)
+    model = transformers.T5ForConditionalGeneration(cfg).double().eval()
+    # the shared embedding is called by the encoder and the decoder: two calls, stacked
+    return model, (_ids(32, seed=3),), dict(decoder_input_ids=_ids(32, (2, 4), seed=4), use_cache=False), ()
+
+
+def vit():
+    cfg = transformers.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, attn_implementation="eager",
+    )
+    torch.manual_seed(5)
+    pixels = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    return transformers.ViTModel(cfg).double().eval(), (pixels,), {}, ()
+
+
+def albert():
+    cfg = transformers.AlbertConfig(
+        vocab_size=30, embedding_size=8, hidden_size=16, num_hidden_layers=2, num_hidden_groups=1,
+        num_attention_heads=2, intermediate_size=16, max_position_embeddings=16, attn_implementation="eager",
+    )
+    torch.manual_seed(6)
+    # one shared layer group called twice: its modules' gradients are stacked per call
+    return transformers.AlbertModel(cfg).double().eval(), (_ids(30, seed=6),), {}, ()
+
+
+class Block(nn.Module):
+    """Called with keywords only; an in-place ReLU, then a Dropout (eval) that returns its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.drop, self.norm = nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Dropout(0.2), nn.LayerNorm(8)
+
+    def forward(self, hidden_states=None, scale=None):
+        h = self.drop(self.act(self.fc(hidden_states)))
+        return self.norm(h * scale + hidden_states)
+
+
+class HandWritten(nn.Module):
+    """Every seam of issue 34 in one forward pass; ``output_attentions`` etc. are accepted and ignored."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.block, self.shortcut = nn.Linear(4, 8), Block(), nn.Identity()
+        self.teacher = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.flat, self.head = nn.Flatten(), nn.Linear(8, 3)
+        self.stored = []
+        self.head.register_forward_hook(lambda m, a, out: self.stored.append(out))  # before jaxtrace's
+
+    def forward(self, x, output_attentions=False, output_hidden_states=False):
+        h = torch.tanh(self.emb(x))
+        b = self.block(hidden_states=h, scale=torch.full((x.shape[0], 1), 1.5, dtype=x.dtype))
+        b = self.block(hidden_states=b, scale=torch.tanh(h[:, :1]))  # the same module again, keywords only
+        out = self.shortcut(b)
+        out += self.emb(x)  # in place on the Identity's output, which is b too
+        with torch.no_grad():
+            target = self.teacher(x)
+        y = self.head(self.flat(out.unsqueeze(1)))  # Flatten returns a view
+        return {"loss_part": ((y - target[:, :3]) ** 2).sum() + (self.stored.pop() ** 3).sum(), "b": b, "y": y}
+
+
+def hand_written():
+    torch.manual_seed(7)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    return HandWritten().double().eval(), (x,), {}, {"shortcut", "shortcut:in"}
+
+
+ZOO = {"gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5, "vit": vit, "albert": albert, "hand_written": hand_written}
+# Main outputs / first inputs whose oracle gradient is zero by construction: the part run under
+# torch.no_grad(), and the rotary embedding's hidden_states (read for its dtype only).
+ZERO_OK = {
+    "hand_written": {"teacher", "teacher:in", "teacher.0", "teacher.0:in", "teacher.1", "teacher.1:in"},
+    "llama": {"model.rotary_emb:in"},
+}
+
+
+def loss(out):
+    """Reads every floating tensor of the output, each with its own weights (and squared)."""
+    total = 0.0
+    for leaf in leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            w = torch.sin(torch.arange(leaf.numel(), dtype=leaf.dtype) + 1.0).reshape(leaf.shape)
+            total = total + (leaf * w).sum() + (leaf**2).mean()
+    return total
+
+
+def _assert_bitwise(got, want):
+    a, b = leaves(got), leaves(want)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if isinstance(y, torch.Tensor):
+            assert isinstance(x, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x.detach(), y.detach()), "the forward output changed under jaxtrace"
+        else:
+            assert type(x) is type(y)
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "record"])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_module_against_the_oracle(name, record):
+    model, args, kwargs, in_place = ZOO[name]()
+    with torch.no_grad():
+        model(*args, **kwargs, **RECORD)  # Hugging Face installs its output recorders now; they stay
+    kwargs = {**kwargs, **RECORD} if record else kwargs
+    want = model(*args, **kwargs)  # no hooks of jaxtrace's
+    runs = []
+    for _ in range(2):
+        seen = []
+        value, grads = jtt.value_and_grad(model, *args, loss=lambda out: loss(seen.append(out) or out), kwargs=kwargs, inputs=True)
+        _assert_bitwise(seen[0], want)
+        runs.append((value, grads))
+    plain_value, plain_params = plain(model, args, loss, kwargs)
+    value, expected = oracle(model, args, loss, list(runs[0][1][1]), kwargs=kwargs, in_place=in_place)
+    assert value.item() == plain_value.item()
+    assert len(expected) >= 10
+    for got, (params, modules) in runs:
+        assert got == plain_value.item()  # bit for bit
+        assert set(modules) == set(expected)
+        assert_params(params, plain_params)
+        zeros = assert_matches(modules, expected, zero_ok=set(expected))
+        # A module's main output (leaf 0) always reaches the loss here; the others (attention
+        # maps, T5's position bias) may be dropped by the model.
+        main = {p for p, j in zeros if j == 0}
+        assert main <= ZERO_OK.get(name, set()), sorted(main)
+        assert len(zeros) <= len(expected) // 3, sorted(zeros)
+    for path in expected:  # the two calls agree bit for bit
+        for a, b in zip(leaves(runs[0][1][1][path]), leaves(runs[1][1][1][path])):
+            assert (a is None and b is None) or np.array_equal(a, b), path
+
