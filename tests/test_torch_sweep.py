@@ -99,6 +99,28 @@ def albert():
     return transformers.AlbertModel(cfg).double().eval(), (_ids(30, seed=6),), {}, ()
 
 
+def checkpointed(make):
+    """The model in training mode with activation checkpointing (dropout off, so runs agree): the
+    backward pass runs each layer's forward again, and those runs are not calls."""
+
+    def maker():
+        model, args, kwargs, in_place = make()
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        model.config.attention_probs_dropout_prob = model.config.attention_dropout = 0.0
+        model.train()
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+            model.activation_checkpointing_enable({"use_reentrant": False})
+            assert model.is_activation_checkpointing
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            assert model.is_gradient_checkpointing
+        return model, args, kwargs, in_place
+
+    return maker
+
+
 class Block(nn.Module):
     """Called with keywords only; an in-place ReLU, then a Dropout (eval) that returns its input."""
 
@@ -140,12 +162,16 @@ def hand_written():
     return HandWritten().double().eval(), (x,), {}, {"shortcut", "shortcut:in"}
 
 
-ZOO = {"gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5, "vit": vit, "albert": albert, "hand_written": hand_written}
+ZOO = {
+    "gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5, "vit": vit, "albert": albert, "hand_written": hand_written,
+    "bert_checkpointed": checkpointed(bert), "llama_checkpointed": checkpointed(llama),
+}
 # Main outputs / first inputs whose oracle gradient is zero by construction: the part run under
 # torch.no_grad(), and the rotary embedding's hidden_states (read for its dtype only).
 ZERO_OK = {
     "hand_written": {"teacher", "teacher:in", "teacher.0", "teacher.0:in", "teacher.1", "teacher.1:in"},
     "llama": {"model.rotary_emb:in"},
+    "llama_checkpointed": {"model.rotary_emb:in"},
 }
 
 
@@ -202,3 +228,45 @@ def test_every_module_against_the_oracle(name, record):
         for a, b in zip(leaves(runs[0][1][1][path]), leaves(runs[1][1][1][path])):
             assert (a is None and b is None) or np.array_equal(a, b), path
 
+
+
+# --- activation checkpointing -------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant=False):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.head = nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=self.reentrant)
+        return (self.head(h) ** 2).sum()
+
+
+def test_checkpoint_recompute_is_not_a_call():
+    """torch.utils.checkpoint runs ``body`` again in backward; jaxtrace reports the one call
+    (before the fix: a second, all-zero call stacked on it, and its values twice)."""
+    torch.manual_seed(8)
+    model = Checkpointed().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    plain_value, plain_params = plain(model, (x,), lambda v: v)
+    value, (params, modules), values = jtt.value_and_grad(model, x, inputs=True, with_values=True)
+    assert value == plain_value.item()
+    assert_params(params, plain_params)
+    assert modules["body.0"].shape == values["body.0"].shape == (5, 4) and modules["body:in"].shape == (5, 3)
+    np.testing.assert_array_equal(values["body.1"], model.body[:2](x).detach().numpy())
+    _, expected = oracle(model, (x,), lambda v: v, list(modules))
+    assert_matches(modules, expected)
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_reentrant_checkpoint_is_a_clear_error(input_grad):
+    """The reentrant variant hides ``body``'s parameters from ``torch.autograd.grad``: torch raises
+    when the input needs no gradient, and (before the fix) the gradients were silently zeros when it
+    does (``.backward()`` gives them)."""
+    model = Checkpointed(reentrant=True).double()
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=input_grad)
+    with pytest.raises(ValueError, match=r"torch.utils.checkpoint with use_reentrant=True.*Pass use_reentrant=False"):
+        jtt.grad(model, x)

@@ -107,6 +107,8 @@ def oracle(model, args, loss, paths, kwargs=None, in_place=()):
             handles.append(module.register_forward_hook(hook, prepend=True))
     try:
         value = loss(model(*args, **(kwargs or {})))
+        for h in handles:  # off before backward, where activation checkpointing runs parts again
+            h.remove()
         flat = [e for p in paths for call in eps[p] for e in call if isinstance(e, torch.Tensor)]
         grads = iter(torch.autograd.grad(value, flat, allow_unused=True))
     finally:
