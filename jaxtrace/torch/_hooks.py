@@ -412,7 +412,9 @@ def value_and_grad(
     (``ReLU(inplace=True)``) where ``register_full_backward_hook`` does not. They
     are registered with ``prepend=True``: hooks others registered (Hugging Face's
     output recorders) run after them and see the watched tensor. A module called
-    under ``torch.no_grad()`` runs as it is and gets zeros. Names, tuples,
+    under ``torch.no_grad()`` runs as it is and gets zeros. The hooks come off
+    before backward, so activation checkpointing's recompute is not a call.
+    Names, tuples,
     repeated calls, ``":in"`` (keyword-only calls: a dict of the keywords) and
     aliasing outputs are described in the ``jaxtrace.torch`` package docstring. A
     module output of a dict subclass (Hugging Face's ``ModelOutput``),
@@ -453,7 +455,9 @@ def value_and_grad(
             or a path in ``where`` / ``patch_grads`` names no module or a module
             that this forward pass never called, or a module called several times
             has outputs of different shapes or structures, or a selected output
-            is a view of an input whose memory the model changes in place later.
+            is a view of an input whose memory the model changes in place later,
+            or the forward pass ran ``torch.utils.checkpoint`` with
+            ``use_reentrant=True``.
 
     Example:
         >>> import torch, jaxtrace.torch as jtt
