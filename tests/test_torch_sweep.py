@@ -4,7 +4,8 @@ Hugging Face models built from tiny configs (random init, no download: GPT-2, BE
 ViT, ALBERT) and a hand-written model with the seams of issue 34 in one forward pass (an
 aliasing output changed in place later, an in-place module, a ``torch.no_grad()`` part, a
 keyword-only call made twice, a user's forward hook registered before jaxtrace's that the
-model reads). For each, in float64, with ``where=None, inputs=True``:
+model reads), another with outputs of every shape (and user hooks that replace values), and
+activation checkpointing (BERT and Llama in training mode; ``torch.utils.checkpoint``). For each, in float64, with ``where=None, inputs=True``:
 
 - every module's output (and input) gradient equals the oracle's (``torch_common.oracle``: a
   forward hook registered with ``prepend=True`` returning ``output + eps``), on two calls, with
@@ -162,15 +163,72 @@ def hand_written():
     return HandWritten().double().eval(), (x,), {}, {"shortcut", "shortcut:in"}
 
 
+class Pair(nn.Module):
+    def forward(self, x):
+        y = x * 2
+        return y, y  # the same tensor twice
+
+
+class Slice(nn.Module):
+    def forward(self, x):
+        return x[:, :2]  # a view of the input
+
+
+class Weight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self):
+        return self.w  # a parameter itself, no inputs
+
+
+class Detach(nn.Module):
+    def forward(self, x):
+        return x.detach() * 3  # its input gets zeros
+
+
+class Outputs(nn.Module):
+    """Outputs of every shape: tuples, one tensor twice, a view, a parameter, a detached value, the
+    attention weights of nn.MultiheadAttention, an LSTM's nest, a GRUCell stepped in a loop; and a
+    user's forward hook that replaces ``fc``'s output and a pre-hook that replaces ``lin``'s input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.pair, self.slice, self.weight, self.detach = nn.Linear(3, 3), Pair(), Slice(), Weight(), Detach()
+        self.mha, self.lstm, self.cell = nn.MultiheadAttention(3, 1, batch_first=True), nn.LSTM(3, 4, batch_first=True), nn.GRUCell(3, 3)
+        self.lin = nn.Linear(3, 2)
+        self.fc.register_forward_hook(lambda m, a, out: out * 2)
+        self.lin.register_forward_pre_hook(lambda m, a: (torch.sin(a[0]),))
+
+    def forward(self, x, output_attentions=False, output_hidden_states=False):
+        h = self.fc(x)
+        a, b = self.pair(h)
+        w = self.weight()
+        att, weights = self.mha(h[None], h[None], h[None])
+        o, (hn, cn) = self.lstm(h[None])
+        state = torch.zeros(1, 3, dtype=x.dtype)
+        for t in range(3):
+            state = self.cell(h[t : t + 1], state)
+        total = (self.slice(a).sum() * b).sum() + (w * h).sum() + (self.detach(h) * h).sum() + (att**2).sum()
+        return total + (weights**2).sum() + o.sum() + (hn * cn).sum() + state.sum() + self.lin(h).pow(2).sum()
+
+
+def outputs():
+    torch.manual_seed(9)
+    return Outputs().double(), (torch.randn(4, 3, dtype=torch.float64),), {}, ()
+
+
 ZOO = {
     "gpt2": gpt2, "bert": bert, "llama": llama, "t5": t5, "vit": vit, "albert": albert, "hand_written": hand_written,
-    "bert_checkpointed": checkpointed(bert), "llama_checkpointed": checkpointed(llama),
+    "outputs": outputs, "bert_checkpointed": checkpointed(bert), "llama_checkpointed": checkpointed(llama),
 }
 # Main outputs / first inputs whose oracle gradient is zero by construction: the part run under
 # torch.no_grad(), and the rotary embedding's hidden_states (read for its dtype only).
 ZERO_OK = {
     "hand_written": {"teacher", "teacher:in", "teacher.0", "teacher.0:in", "teacher.1", "teacher.1:in"},
     "llama": {"model.rotary_emb:in"},
+    "outputs": {"detach:in"},
     "llama_checkpointed": {"model.rotary_emb:in"},
 }
 
