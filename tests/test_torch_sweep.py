@@ -5,7 +5,8 @@ ViT, ALBERT) and a hand-written model with the seams of issue 34 in one forward 
 aliasing output changed in place later, an in-place module, a ``torch.no_grad()`` part, a
 keyword-only call made twice, a user's forward hook registered before jaxtrace's that the
 model reads), another with outputs of every shape (and user hooks that replace values), and
-activation checkpointing (BERT and Llama in training mode; ``torch.utils.checkpoint``). For each, in float64, with ``where=None, inputs=True``:
+activation checkpointing (BERT and Llama in training mode; ``torch.utils.checkpoint``). For
+each, in float64, with ``where=None, inputs=True``:
 
 - every module's output (and input) gradient equals the oracle's (``torch_common.oracle``: a
   forward hook registered with ``prepend=True`` returning ``output + eps``), on two calls, with
@@ -265,7 +266,9 @@ def test_every_module_against_the_oracle(name, record):
     runs = []
     for _ in range(2):
         seen = []
-        value, grads = jtt.value_and_grad(model, *args, loss=lambda out: loss(seen.append(out) or out), kwargs=kwargs, inputs=True)
+        value, grads = jtt.value_and_grad(
+            model, *args, loss=lambda out: loss(seen.append(out) or out), kwargs=kwargs, inputs=True
+        )
         _assert_bitwise(seen[0], want)
         runs.append((value, grads))
     plain_value, plain_params = plain(model, args, loss, kwargs)
@@ -285,7 +288,6 @@ def test_every_module_against_the_oracle(name, record):
     for path in expected:  # the two calls agree bit for bit
         for a, b in zip(leaves(runs[0][1][1][path]), leaves(runs[1][1][1][path])):
             assert (a is None and b is None) or np.array_equal(a, b), path
-
 
 
 # --- activation checkpointing -------------------------------------------------------------
