@@ -51,7 +51,10 @@ Naming and layout of ``module_grads`` (the same conventions as ``jt.tag``):
   returned as it is with ``":in"`` watched (``nn.Identity``) has the output's
   gradient at its input.
 - A module called under ``torch.no_grad()`` (a teacher, an EMA target) runs as
-  it is; its gradients are zeros. Gradients and values come in the module's
+  it is; its gradients are zeros. Activation checkpointing
+  (``torch.utils.checkpoint(..., use_reentrant=False)``, Hugging Face's
+  ``activation_checkpointing_enable``) works: the hooks come off before
+  backward, so the recompute is not a call; the reentrant variant is an error. Gradients and values come in the module's
   dtype: bfloat16 (and float8) as ``ml_dtypes`` arrays, the types JAX uses.
 
 Needs PyTorch. A CPU build is enough: ``pip install torch --index-url

@@ -412,7 +412,9 @@ def value_and_grad(
     (``ReLU(inplace=True)``) where ``register_full_backward_hook`` does not. They
     are registered with ``prepend=True``: hooks others registered (Hugging Face's
     output recorders) run after them and see the watched tensor. A module called
-    under ``torch.no_grad()`` runs as it is and gets zeros. Names, tuples,
+    under ``torch.no_grad()`` runs as it is and gets zeros. The hooks come off
+    before backward, so activation checkpointing's recompute is not a call.
+    Names, tuples,
     repeated calls, ``":in"`` (keyword-only calls: a dict of the keywords) and
     aliasing outputs are described in the ``jaxtrace.torch`` package docstring. A
     module output of a dict subclass (Hugging Face's ``ModelOutput``),
@@ -453,7 +455,9 @@ def value_and_grad(
             or a path in ``where`` / ``patch_grads`` names no module or a module
             that this forward pass never called, or a module called several times
             has outputs of different shapes or structures, or a selected output
-            is a view of an input whose memory the model changes in place later.
+            is a view of an input whose memory the model changes in place later,
+            or the forward pass ran ``torch.utils.checkpoint`` with
+            ``use_reentrant=True``.
 
     Example:
         >>> import torch, jaxtrace.torch as jtt
@@ -512,6 +516,21 @@ def grad(
     return (*grads, *values) if with_values else grads
 
 
+def _reentrant_checkpoint(value) -> bool:
+    """Whether the autograd graph of ``value`` has a reentrant checkpoint's node (its backward
+    runs a separate backward pass, which ``torch.autograd.grad``'s inputs are not part of)."""
+    seen, stack = set(), [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
+
+
 def _value_and_grad(api, module, args, loss, where, inputs, kwargs, patch_grads, with_values=False) -> Any:
     """What ``value_and_grad`` and ``grad`` do; ``api`` is the one called, which the errors name."""
     if not isinstance(module, torch.nn.Module):
@@ -562,6 +581,20 @@ def _value_and_grad(api, module, args, loss, where, inputs, kwargs, patch_grads,
                         if loss is None
                         else f"loss returned {describe(value)}."
                     )
+                )
+            # The forward pass is over: its hooks come off before backward, where activation
+            # checkpointing (torch.utils.checkpoint, Hugging Face's gradient_checkpointing_enable)
+            # runs parts of it again to rebuild saved tensors; those runs are not calls.
+            for h in handles:
+                h.remove()
+            handles.clear()
+            if value.requires_grad and _reentrant_checkpoint(value):
+                raise ValueError(
+                    f"{api}: the forward pass ran torch.utils.checkpoint with use_reentrant=True (Hugging "
+                    "Face: gradient_checkpointing_kwargs={'use_reentrant': True}), whose parameters "
+                    "torch.autograd.grad cannot reach: their gradients would be zeros or an error. Pass "
+                    "use_reentrant=False (activation_checkpointing_enable({'use_reentrant': False}) in "
+                    "Hugging Face), or turn checkpointing off for the check."
                 )
             wrt = [*params.values(), *fresh, *recorder.wrt]
             grads = torch.autograd.grad(value.reshape(()), wrt, allow_unused=True) if value.requires_grad else None
