@@ -16,7 +16,7 @@ which timing does not need):
 - ``gpt2``: ``transformers.GPT2LMHeadModel(GPT2Config(n_layer=1, ...))`` at GPT-2 small's sizes
   (width 768, 12 heads, vocabulary 50257, random init, no download), untied head
   (``tie_word_embeddings=False``, so every peer computes the same gradient), and an equinox
-  model built from the same config; batch 8, sequence 128, position ids inside the model.
+  model built from the same config; batch 4, sequence 128, position ids inside the model.
 
 Columns, each one DP-SGD step up to the clipped sum of per-example gradients (no noise, no
 optimizer update), clipping bound 1.0:
@@ -98,6 +98,10 @@ from timers import interleave, median_ratio  # noqa: E402
 
 MAX_NORM = 1.0
 BASE = "jt.clipped_grad"
+TORCH_POSITIONS = ("the torch models make their position ids inside forward as arange(T).repeat(B, 1): Opacus "
+                   "crashes on the (1, T) ids GPT2Model makes by itself ('stack expects each tensor to be equal "
+                   "size'), and its ghost embedding norm needs contiguous ids (arange(T).expand(B, T) fails in "
+                   "input_ids.view)")
 
 
 # --- sizes ---------------------------------------------------------------------------------
@@ -256,6 +260,7 @@ def gpt2_config(s):
     return GPT2Config(
         vocab_size=s["vocab"], n_positions=s["seq"], n_embd=s["d"], n_layer=s["layers"], n_head=s["heads"],
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+        bos_token_id=s["vocab"] - 1, eos_token_id=s["vocab"] - 1,  # GPT-2's 50256 when the vocabulary is full
     )
 
 
@@ -392,9 +397,9 @@ def compile_jax(case: Case, fns: dict, results: dict):
     for name, f in fns.items():
         jitted = jax.jit(lambda a, *b, f=f: f(eqx.combine(a, static), *b))
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             compiled = jitted.lower(arrays, *batch).compile()
-            build = time.perf_counter() - t0
+            build, build_cpu = time.perf_counter() - t0, time.process_time() - c0
             ma = compiled.memory_analysis()
             mem = (ma.temp_size_in_bytes + ma.output_size_in_bytes) if ma is not None else float("nan")
             step = functools.partial(compiled, arrays, *batch)
@@ -402,25 +407,16 @@ def compile_jax(case: Case, fns: dict, results: dict):
         except Exception as e:  # a peer that refuses a model is a note, not a failed benchmark
             note(f"{case.name}: {name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             continue
-        results[name] = dict(mem=mem, build=build, out=out)
+        results[name] = dict(mem=mem, build=build, build_cpu=build_cpu, out=out)
         runs[name] = lambda step=step: jax.block_until_ready(step())
-    if "jt.per_example_norms" in results and "vmap(grad) + clip" in fns:
-        norms = np.asarray(results["jt.per_example_norms"]["out"])
-        jitted = jax.jit(lambda a, *b: _vmap_sq_norms(case.losses, eqx.combine(a, static), *b))
-        ref = np.asarray(jitted(arrays, *batch))
-        results["_check"] = float(np.max(np.abs(norms - ref) / np.maximum(np.abs(ref), 1e-30)))
+    if BASE in results and "vmap(grad) + clip" in results:  # the clipped sums, leaf by leaf, from the warm calls
+        ours, ref = (jax.tree.leaves(results[k]["out"]) for k in (BASE, "vmap(grad) + clip"))
+        results["_check"] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(np.asarray(b))), 1e-30))
+                                for a, b in zip(ours, ref))
     for r in results.values():
         if isinstance(r, dict):
             r.pop("out", None)
     return runs
-
-
-def _vmap_sq_norms(losses_fn, model, *batch):
-    def one(m, *ex):
-        return losses_fn(m, *(e[None] for e in ex))[0]
-
-    per = jax.vmap(eqx.filter_grad(one), in_axes=(None, *[0] * len(batch)))(model, *batch)
-    return sum(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), 1) for g in jax.tree.leaves(per))
 
 
 # --- the PyTorch models -----------------------------------------------------------------------
@@ -478,7 +474,7 @@ def torch_transformer(t):
 
         def forward(self, ids):
             # position ids made inside the model, with the batch axis that Opacus and BackPACK need
-            pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+            pos = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
             h = self.embed(ids) + self.pos(pos)
             for block in self.blocks:
                 h = block(h)
@@ -498,7 +494,7 @@ def torch_gpt2(config):
             self.gpt2 = GPT2LMHeadModel(config)
 
         def forward(self, ids):
-            pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+            pos = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
             return self.gpt2(input_ids=ids, position_ids=pos, use_cache=False).logits
 
     return Logits()
@@ -611,6 +607,7 @@ def backpack_step(case, x, y, l2_only):
 
     model = extend(case.torch_model().train())
     params = [p for p in model.parameters() if p.requires_grad]
+    owner = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(recurse=False)}
     ext = BatchL2Grad() if l2_only else BatchGrad()
     attr = "batch_l2" if l2_only else "grad_batch"
 
@@ -618,9 +615,9 @@ def backpack_step(case, x, y, l2_only):
         model.zero_grad(set_to_none=True)
         with backpack(ext):  # a layer BackPACK does not support is a warning there, and no attribute
             torch_losses(case, model(x), y).sum().backward()
-        missing = [tuple(p.shape) for p in params if getattr(p, attr, None) is None]
+        missing = sorted({owner[id(p)] for p in params if getattr(p, attr, None) is None})
         if missing:
-            raise NotImplementedError(f"BackPACK computed no {attr} for parameters of shapes {missing}")
+            raise NotImplementedError(f"BackPACK has no {type(ext).__name__} rule for {', '.join(missing)}")
         if l2_only:
             return sum(getattr(p, attr) for p in params)
         per = [p.grad_batch for p in params]
@@ -658,18 +655,20 @@ def build_torch(case: Case, wanted, results: dict) -> dict:
     import torch
 
     runs = {}
+    if case.lm:
+        note(TORCH_POSITIONS)
     for name, make in torch_columns(case, wanted).items():
         try:
             torch.manual_seed(0)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step = make()
             step()  # warm
-            build = time.perf_counter() - t0
+            build, build_cpu = time.perf_counter() - t0, time.process_time() - c0
             mem = torch_peak_bytes(step)
         except Exception as e:
             note(f"{case.name}: {name} skipped: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
             continue
-        results[name] = dict(mem=mem, build=build)
+        results[name] = dict(mem=mem, build=build, build_cpu=build_cpu)
         runs[name] = step
     return runs
 
@@ -694,7 +693,7 @@ def main():
     parser.add_argument("--columns", default="", help="comma-separated substrings: run only the columns whose "
                         "name contains one (jt.clipped_grad always runs: it is the base)")
     parser.add_argument("--no-torch", action="store_true", help="skip every PyTorch column")
-    parser.add_argument("--gpt2-batch", type=int, default=8)
+    parser.add_argument("--gpt2-batch", type=int, default=4)
     parser.add_argument("--gpt2-seq", type=int, default=128)
     parser.add_argument("--gpt2-vocab", type=int, default=50257)
     parser.add_argument("--gpt2-layers", type=int, default=1)
@@ -745,18 +744,19 @@ def main():
         tables.append((case, results, samples))
         print(f"  {case.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
 
-    print("\n| model | column | step (ms) | x jt.clipped_grad | memory (MiB) | build (s) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| model | column | step (ms) | x jt.clipped_grad | memory (MiB) | build (s) | build CPU (s) |")
+    print("|---|---|---|---|---|---|---|")
     for case, results, samples in tables:
         for name in samples:
             ms = float(np.median([s["step"] for s in samples[name]])) * 1e3
             ratio = median_ratio(samples, name, "step", BASE)
             r = results[name]
-            print(f"| {case.name} | {name} | {ms:.1f} | {ratio:.2f} | {r['mem'] / 2**20:.2f} | {r['build']:.1f} |")
+            print(f"| {case.name} | {name} | {ms:.1f} | {ratio:.2f} | {r['mem'] / 2**20:.2f} | {r['build']:.1f} | {r['build_cpu']:.1f} |")
     print("\nModels:")
     for case, results, _ in tables:
         check = results.get("_check")
-        extra = f"; jt.per_example_norms vs vmap(grad): largest relative difference {check:.1e}" if check is not None else ""
+        extra = (f"; jt.clipped_grad against vmap(grad) + clip: largest difference {check:.1e} of a leaf's largest "
+                 "entry" if check is not None else "")
         print(f"- {case.name}: {case.describe}{extra}")
     print("\nMemory: JAX, the compiled step's temporaries + outputs (memory_analysis); torch, the peak of its CPU "
           "allocator over one step (torch.profiler memory events).")
