@@ -82,6 +82,7 @@ if _threads_flag() == 1:
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the profiler's note on blocks allocated before it
 warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus's and BackPACK's hooks
 warnings.filterwarnings("ignore", message=".*Secure RNG turned off")
+warnings.filterwarnings("ignore", message="Extension saving to")  # BackPACK's missing rules: a note names them
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -662,8 +663,8 @@ def build_torch(case: Case, wanted, results: dict) -> dict:
             torch.manual_seed(0)
             t0, c0 = time.perf_counter(), time.process_time()
             step = make()
-            step()  # warm
             build, build_cpu = time.perf_counter() - t0, time.process_time() - c0
+            step()  # warm
             mem = torch_peak_bytes(step)
         except Exception as e:
             note(f"{case.name}: {name} skipped: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
@@ -759,7 +760,9 @@ def main():
                  "entry" if check is not None else "")
         print(f"- {case.name}: {case.describe}{extra}")
     print("\nMemory: JAX, the compiled step's temporaries + outputs (memory_analysis); torch, the peak of its CPU "
-          "allocator over one step (torch.profiler memory events).")
+          "allocator over one step (torch.profiler memory events). Build: JAX, lower + compile; torch, wrapping "
+          "the model (Opacus's and BackPACK's hooks). Timings on a shared machine move with its load: read the "
+          "ratios (per round, then the median), not the milliseconds.")
     if _NOTES:
         print("Notes:\n" + "\n".join(f"- {n}" for n in _NOTES))
     print(f"load {os.getloadavg()[0]:.1f} (1 min) at the end; {time.perf_counter() - start:.0f} s in all")
