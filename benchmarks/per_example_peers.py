@@ -564,6 +564,7 @@ def opacus_per_sample(case, x, y, batch):
         torch_losses(case, model(x), y).sum().backward()
         opt.pre_step()  # per-example norms, clip, sum (+ zero noise): p.grad holds the clipped sum
 
+    step.clipped = list(model.parameters())
     return step
 
 
@@ -585,6 +586,7 @@ def opacus_ghost(case, x, y, batch):
         loss.backward()  # the norms' backward pass, then the reweighted loss's
         opt.pre_step()
 
+    step.clipped = list(model.parameters())
     return step
 
 
@@ -628,6 +630,8 @@ def backpack_step(case, x, y, l2_only):
             p.grad = torch.tensordot(w, g, 1)
             p.grad_batch = None
 
+    if not l2_only:
+        step.clipped = params
     return step
 
 
@@ -665,6 +669,14 @@ def build_torch(case: Case, wanted, results: dict) -> dict:
             step = make()
             build, build_cpu = time.perf_counter() - t0, time.process_time() - c0
             step()  # warm
+            if hasattr(step, "clipped"):  # same seed, same weights: the torch clipped sums must agree
+                grads = [p.grad.detach().clone() for p in step.clipped]
+                if "_torch_ref" not in results:
+                    results["_torch_ref"] = (name, grads)
+                else:
+                    ref_name, ref = results["_torch_ref"]
+                    diff = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(grads, ref))
+                    results.setdefault("_torch_check", []).append(f"{name} {diff:.1e}")
             mem = torch_peak_bytes(step)
         except Exception as e:
             note(f"{case.name}: {name} skipped: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
@@ -758,6 +770,8 @@ def main():
         check = results.get("_check")
         extra = (f"; jt.clipped_grad against vmap(grad) + clip: largest difference {check:.1e} of a leaf's largest "
                  "entry" if check is not None else "")
+        if results.get("_torch_check"):
+            extra += f"; the torch clipped sums against {results['_torch_ref'][0]}'s: " + ", ".join(results["_torch_check"])
         print(f"- {case.name}: {case.describe}{extra}")
     print("\nMemory: JAX, the compiled step's temporaries + outputs (memory_analysis); torch, the peak of its CPU "
           "allocator over one step (torch.profiler memory events). Build: JAX, lower + compile; torch, wrapping "
