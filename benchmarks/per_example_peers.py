@@ -83,6 +83,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the profiler's note on 
 warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus's and BackPACK's hooks
 warnings.filterwarnings("ignore", message=".*Secure RNG turned off")
 warnings.filterwarnings("ignore", message="Extension saving to")  # BackPACK's missing rules: a note names them
+warnings.filterwarnings("ignore", message="For backward hooks to be called")  # BackPACK's hooks on HF containers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
