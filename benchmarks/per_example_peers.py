@@ -41,16 +41,19 @@ deterministic); for torch columns, the peak of torch's CPU allocator over one st
 was allocated before it (from ``torch.profiler`` memory events; glibc's own caching is not
 seen). Both count the gradients the step returns.
 
-The peers install into their own venv (Python 3.11, CPU torch), e.g.::
+The peers install into their own venv (Python 3.11, CPU torch; backpack-for-pytorch pulls a
+CUDA torchvision that cannot load beside CPU torch and that nothing here imports), e.g.::
 
     python3.11 -m venv venv-peers
     printf 'torch==2.13.0+cpu\\ntransformers==5.24.0\\n' > constraints.txt
     venv-peers/bin/pip install -c constraints.txt torch==2.13.0+cpu transformers==5.24.0 \\
-        jax jaxlib equinox optax opacus backpack-for-pytorch
+        jax jaxlib equinox flax optax opacus backpack-for-pytorch
+    venv-peers/bin/pip uninstall -y torchvision
     venv-peers/bin/python benchmarks/per_example_peers.py --quick
 
 and jax-privacy into a Python 3.13 one (``pip install jax-privacy equinox``), where the torch
-columns are skipped.
+columns are skipped. On a machine shared with other work pass ``--threads 1``: with more,
+torch's OpenMP barriers stall whenever one of its threads is descheduled.
 """
 
 from __future__ import annotations
