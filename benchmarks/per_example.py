@@ -13,6 +13,9 @@ at sequence 128, batch 32) it compiles, side by side:
 and prints a Markdown table: peak temporary memory from ``compiled.memory_analysis()``
 (deterministic) and the median step time over interleaved rounds (the variants take
 turns, so load on the machine hits all of them alike), with the ratios to ``vmap(grad)``.
+
+The peers (Opacus ghost and per-sample clipping, BackPACK, jax-privacy) on issue 33's models:
+``per_example_peers.py``.
 """
 
 from __future__ import annotations
