@@ -1,0 +1,839 @@
+"""Property grammar for per-example gradients: random DP-style programs against the definition.
+
+Hypothesis draws a program: an equinox or Flax NNX model built from covered layers
+(``eqx.nn.Linear`` with and without bias, ``Embedding``, ``LayerNorm``, ``RMSNorm``,
+``Conv1d``/``Conv2d``; ``nnx.Linear``, ``Embed``, ``LayerNorm``, ``RMSNorm``, ``Conv``) and
+uncovered ones (a raw parameter added, multiplied or matmul'd; a custom module), and a
+*class*: how a DP-SGD user calls it (``jax.vmap(model)``, position ids ``arange(T)`` into an
+Embedding inside the model, a learned ``(T, d)`` table, a layer called twice or at two
+shapes, a ``lax.scan`` over a ``filter_vmap``-built stack, ``jax.checkpoint``/``filter_jit``
+inside, ties, transformed weights, negative ids, mixed dtypes, batch layouts) or an
+*interacting* reduction over the batch (centring, BatchNorm-like, in-batch contrastive).
+Every program returns losses of shape ``(B,)``.
+
+The oracle is the definition (``tests/per_example_oracle.py``): row ``i`` of ``jax.jacrev`` of
+the losses vector with respect to the model's differentiated leaves, float64; the per-leaf
+squared norms, their total, and ``sum_i min(1, C/|g_i|) g_i`` follow from it. The checks:
+``jt.per_example_norms(fun)`` (per leaf and ``total=True``) and ``jt.clipped_grad(fun, C)``
+equal it to 1e-10 relative, under ``eqx.filter_jit``/``nnx.jit`` and without. For an
+interacting class the answer may also be a ``jt.TagError`` whose message names the mixing of
+examples; never a different number. ``test_composition`` puts ``jax.jit``, ``jax.grad`` (of the
+summed norms, and of the clipped sum) and ``jax.checkpoint`` around the transforms.
+
+Classes the current implementation gets wrong are in ``KNOWN_FAILING``: their tests skip
+with that reason (empty the set as fixes land; each class's docstring in ``CLASSES`` says
+what it draws). Profiles as in ``test_properties.py`` (``JAXTRACE_HYPOTHESIS_PROFILE``):
+``quick`` (the default run) draws one program per class, ``ci`` (``--long``) a dozen;
+``JAXTRACE_PER_EXAMPLE_PROGRAMS=n`` sets the number per class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxtrace as jt
+
+eqx = pytest.importorskip("equinox")
+nnx = pytest.importorskip("flax.nnx")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from per_example_oracle import oracle_per_example, split_model  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+F64 = jnp.float64
+_PROFILE = os.environ.get("JAXTRACE_HYPOTHESIS_PROFILE", "ci")
+# Programs per class (the default run is "quick": one each; --long picks "ci").
+PER_CLASS = int(os.environ.get("JAXTRACE_PER_EXAMPLE_PROGRAMS", 0)) or {"quick": 1, "ci": 12, "large": 100}.get(_PROFILE, 12)
+PROFILE = settings(
+    max_examples=PER_CLASS,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=_PROFILE != "large",
+    database=None,
+)
+RTOL = 1e-10
+
+# --- the classes -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cls:
+    doc: str
+    frameworks: tuple = ("eqx", "nnx")
+    variants: tuple = ("",)
+    inputs: tuple = ("linear", "embed")
+    interacting: bool = False
+
+
+CLASSES = {
+    "batched": Cls("jax.vmap(model) (NNX: model(x)) over covered layers only"),
+    "uncovered_array": Cls("a raw parameter added to, multiplying or matmul'd with the activations", variants=("add", "mul", "matmul")),
+    "custom_module": Cls("a custom module: its own weights (affine), or its own gate around a covered Linear", variants=("affine", "gated")),
+    "position_ids": Cls("a position Embedding called with jnp.arange(T) inside the model (shared by every example); T == B or not", variants=("T==B", "T!=B")),
+    "shared_table": Cls("a learned (T, d) table fed to a Linear inside the model; T == B or not", variants=("T==B", "T!=B")),
+    "repeated": Cls("one Linear called two or three times in a row", variants=("twice", "thrice")),
+    "two_shapes": Cls("one Linear called on the tokens (T, d) and on their mean (d,)"),
+    "scan_stack": Cls("a stack built with eqx.filter_vmap / nnx.vmap, run with lax.scan / nnx.scan", variants=("linear", "linear_nobias")),
+    "checkpoint_jit": Cls("a covered layer called under jax.checkpoint (nnx.remat) or eqx.filter_jit (nnx.jit) inside the model", variants=("checkpoint", "jit")),
+    "tied_shared": Cls("eqx.nn.Shared ties the head to the embedding; NNX: one Variable in two Linears", inputs=("embed",)),
+    "tied_transpose": Cls("the head reads embed.weight.T (NNX: embed.attend)", inputs=("embed",)),
+    "tied_tree_at": Cls("a tie written with eqx.tree_at inside the call: the head's weight replaced by the embedding's", frameworks=("eqx",), inputs=("embed",)),
+    "frozen": Cls("stop_gradient on a Linear's weight (eqx.tree_at replace_fn), or on the whole layer", frameworks=("eqx",), variants=("weight", "layer")),
+    "masked": Cls("a Linear's weight times a fixed boolean pruning mask (a bool leaf of the model)", frameworks=("eqx",)),
+    "scaled": Cls("a Linear's weight times a constant, a learned scalar, or weight normalisation", frameworks=("eqx",), variants=("const", "scalar", "weight_norm")),
+    "lora": Cls("a Linear's weight stop_gradient(W0) + A @ B (LoRA), bias trained or frozen", frameworks=("eqx",), variants=("bias", "frozen_bias")),
+    "negative_ids": Cls("Embedding ids in [-V, V), with -1 and V-1 in one example", inputs=("embed",)),
+    "mixed_dtypes": Cls("float32 inputs to the float64 model, an int or bool leaf in the model, int32 ids", variants=("x_float32", "int_leaf", "bool_leaf", "ids_int32")),
+    "targets_closure": Cls("the targets captured in a closure, not passed"),
+    "weights_keyword": Cls("per-example loss weights passed as a keyword argument"),
+    "mask_TT": Cls("a (T, T) mixing mask (T == B) passed positionally, shared by every example"),
+    "feature_major": Cls("x stored feature-major (d_in, T, B); the loss moves the axis; d_in == B or not", variants=("din==B", "din!=B")),
+    "batch_centring": Cls("outputs (NNX: hidden activations too) centred by their mean over the batch", variants=("output", "hidden"), interacting=True),
+    "batch_norm": Cls("BatchNorm-like normalisation over the batch (NNX: also nnx.BatchNorm in training mode)", variants=("manual", "nnx_batchnorm"), interacting=True),
+    "contrastive": Cls("an in-batch contrastive (InfoNCE) loss between two views", interacting=True),
+}
+COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint")
+
+# Classes ("name") or variants ("name:variant") the implementation on main got wrong when
+# this grammar was written (the helper report on issue 33 has one failing example each);
+# they are not drawn, and their tests skip. Empty this set as the fixes land
+# (``JAXTRACE_RUN_KNOWN_FAILING=1`` draws them anyway).
+KNOWN_FAILING: set = {
+    "position_ids:T==B",  # silently wrong norms (the arange input taken for the example axis)
+    "shared_table:T==B",  # silently wrong norms (the (T, d) table taken for the example axis)
+    "two_shapes",  # TagError "called with different shapes" (eqx) / IndexError in relayout (NNX)
+    "scan_stack",  # TypeError: cannot reshape array of shape (d, d) into shape (n, d, d)
+    "tied_tree_at",  # the replaced (unused) head weight gets the layer's norm; truth 0
+    "frozen",  # stop_gradient'ed weight gets the layer's norm; truth 0
+    "masked",  # the mask is not applied to the weight's gradient
+    "scaled",  # the scale (constant, learned, weight-norm) is not chained through
+    "lora",  # the frozen base W0 gets the layer's norm, A and B none of it
+    "negative_ids",  # ids -1 and V-1 in one example counted as different rows
+    "mask_TT",  # the shared (T, T) mask (T == B) split across examples by the fallback
+    "targets_closure",  # with an uncovered leaf: the fallback gives every example all targets
+    "weights_keyword",  # with an uncovered leaf: the keyword is not split, the fallback is wrong
+    "feature_major",  # with an uncovered leaf: wrong (d_in != B) or a dot_general TypeError (d_in == B)
+    "batch_centring",  # interacting: silently wrong, no TagError
+    "batch_norm",  # interacting: silently wrong, no TagError (nnx.BatchNorm: TraceContextError)
+    "contrastive",  # interacting: silently wrong, no TagError
+}
+
+if os.environ.get("JAXTRACE_RUN_KNOWN_FAILING") == "1":  # to see what they still find: draw every class
+    KNOWN_FAILING = set()
+
+
+def active_variants(cls):
+    if cls in KNOWN_FAILING:
+        return ()
+    return tuple(v for v in CLASSES[cls].variants if f"{cls}:{v}" not in KNOWN_FAILING)
+
+# --- building blocks ---------------------------------------------------------------------
+
+BODY = ("linear", "linear_nobias", "layernorm", "rmsnorm", "conv1d", "conv2d")
+V = 5  # vocabulary
+N_OUT = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Prog:
+    cls: str
+    fw: str
+    variant: str
+    inp: str
+    body: tuple
+    B: int
+    T: int
+    d: int
+    seed: int
+    raw: bool = False  # also a raw (uncovered) bias after the input layer: the exact path / fallback runs
+    mode: str = "both"  # "eager", "jit" or "both"
+
+
+class Net(eqx.Module):
+    """An equinox model: its parts (modules, arrays) and a static function of one example."""
+
+    parts: dict
+    fn: object = eqx.field(static=True)
+
+    def __call__(self, *a):
+        return self.fn(self.parts, *a)
+
+
+class NNet(nnx.Module):
+    """A Flax NNX model: its parts as attributes and a static function of the batch."""
+
+    def __init__(self, parts, fn):
+        for k, v in parts.items():
+            setattr(self, k, v)
+        self.names = tuple(parts)
+        self.fn = fn
+
+    def __call__(self, *a):
+        return self.fn({k: getattr(self, k) for k in self.names}, *a)
+
+
+class Affine(eqx.Module):
+    w: jax.Array
+    b: jax.Array
+
+    def __call__(self, h):  # any leading axes
+        return jnp.tanh(h @ self.w + self.b)
+
+
+class Gated(eqx.Module):
+    lin: eqx.nn.Linear
+    g: jax.Array
+
+    def __call__(self, h):  # (T, d)
+        return jax.vmap(self.lin)(h) * jax.nn.sigmoid(self.g)
+
+
+class NAffine(nnx.Module):
+    def __init__(self, d, key):
+        k1, k2 = jax.random.split(key)
+        self.w = nnx.Param(jax.random.normal(k1, (d, d), F64) * 0.5)
+        self.b = nnx.Param(jax.random.normal(k2, (d,), F64) * 0.5)
+
+    def __call__(self, h):
+        return jnp.tanh(h @ self.w[...] + self.b[...])
+
+
+class NGated(nnx.Module):
+    def __init__(self, d, key):
+        self.lin = nnx.Linear(d, d, rngs=nnx.Rngs(key), param_dtype=F64, dtype=F64)
+        self.g = nnx.Param(jax.random.normal(key, (d,), F64))
+
+    def __call__(self, h):
+        return self.lin(h) * jax.nn.sigmoid(self.g[...])
+
+
+class Kit:
+    """The framework's layers and how a program applies them (eqx: one example, NNX: the batch)."""
+
+    def __init__(self, p: Prog):
+        self.p = p
+        self.eqx = p.fw == "eqx"
+        self._key = jax.random.key(p.seed)
+
+    def key(self):
+        self._key, k = jax.random.split(self._key)
+        return k
+
+    def layer(self, kind, din, dout=None):
+        dout = din if dout is None else dout
+        k = self.key()
+        if self.eqx:
+            return {
+                "linear": lambda: eqx.nn.Linear(din, dout, key=k),
+                "linear_nobias": lambda: eqx.nn.Linear(din, dout, use_bias=False, key=k),
+                "layernorm": lambda: eqx.nn.LayerNorm(din),
+                "rmsnorm": lambda: eqx.nn.RMSNorm(din),
+                "conv1d": lambda: eqx.nn.Conv1d(din, din, 3, padding=1, key=k),
+                "conv2d": lambda: eqx.nn.Conv2d(1, 1, 3, padding=1, key=k),
+                "embed": lambda: eqx.nn.Embedding(din, dout, key=k),
+            }[kind]()
+        kw = dict(rngs=nnx.Rngs(k), param_dtype=F64, dtype=F64)
+        return {
+            "linear": lambda: nnx.Linear(din, dout, **kw),
+            "linear_nobias": lambda: nnx.Linear(din, dout, use_bias=False, **kw),
+            "layernorm": lambda: nnx.LayerNorm(din, **kw),
+            "rmsnorm": lambda: nnx.RMSNorm(din, **kw),
+            "conv1d": lambda: nnx.Conv(din, din, (3,), padding="SAME", **kw),
+            "conv2d": lambda: nnx.Conv(1, 1, (3, 3), padding="SAME", **kw),
+            "embed": lambda: nnx.Embed(din, dout, **kw),
+        }[kind]()
+
+    def apply(self, kind, layer, h):
+        """``layer`` on ``h`` of shape (..., [T,] d): every leading axis is positions (eqx) or batch (NNX)."""
+        if kind == "embed":
+            return jax.vmap(layer)(h) if self.eqx else layer(h)
+        if kind == "conv1d":
+            return layer(h.T).T if self.eqx else layer(h)
+        if kind == "conv2d":
+            return layer(h[None])[0] if self.eqx else layer(h[..., None])[..., 0]
+        if self.eqx:
+            flat = h.reshape(-1, h.shape[-1])
+            out = jax.vmap(layer)(flat)
+            return out.reshape(*h.shape[:-1], out.shape[-1])
+        return layer(h)
+
+    def val(self, a):
+        return a if self.eqx else a[...]
+
+    def param(self, a):
+        return a if self.eqx else nnx.Param(a)
+
+    def normal(self, *shape, scale=0.5):
+        return jax.random.normal(self.key(), shape, F64) * scale
+
+    def model(self, parts, fn):
+        """The model, float64 everywhere, every float parameter moved off its initial value."""
+        if self.eqx:
+            m = Net(parts, fn)
+            m = jax.tree.map(lambda a: a.astype(F64) if eqx.is_inexact_array(a) else a, m)
+            diff, rebuild = split_model(m)
+            leaves, tree = jax.tree.flatten(diff)
+            leaves = [a + 0.3 * jax.random.normal(self.key(), a.shape, a.dtype) for a in leaves]
+            return rebuild(jax.tree.unflatten(tree, leaves))
+        m = NNet(parts, fn)
+        _, params, _ = nnx.split(m, nnx.Param, ...)
+        nnx.update(m, jax.tree.map(lambda a: a + 0.3 * jax.random.normal(self.key(), a.shape, a.dtype), params))
+        return m
+
+    def run(self, m, x, *shared):
+        """The batch through the model: ``jax.vmap(model)`` (eqx) or ``model(x)`` (NNX)."""
+        if self.eqx:
+            return jax.vmap(m, in_axes=(0, *[None] * len(shared)))(x, *shared)
+        return m(x, *shared)
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2, axis=tuple(range(1, out.ndim)))
+
+
+def common_parts(kit: Kit, p: Prog, d_in=None):
+    parts = {"inp": kit.layer("embed", V, p.d) if p.inp == "embed" else kit.layer("linear", d_in or p.d, p.d)}
+    for i, kind in enumerate(p.body):
+        parts[f"body{i}"] = kit.layer(kind, p.d)
+    parts["head"] = kit.layer("linear", p.d, N_OUT)
+    return parts
+
+
+def front(kit, p, parts, x):
+    return jnp.tanh(kit.apply("embed" if p.inp == "embed" else "linear", parts["inp"], x))
+
+
+def body(kit, p, parts, h):
+    for i, kind in enumerate(p.body):
+        h = jnp.tanh(kit.apply(kind, parts[f"body{i}"], h))
+    return h
+
+
+def head(kit, parts, h):
+    return kit.apply("linear", parts["head"], h)
+
+
+def inputs(kit: Kit, p: Prog, d_in=None):
+    if p.inp == "embed":
+        x = jax.random.randint(kit.key(), (p.B, p.T), 0, V)
+    else:
+        x = kit.normal(p.B, p.T, d_in or p.d, scale=1.0)
+    return x, kit.normal(p.B, p.T, N_OUT, scale=1.0)
+
+
+@dataclasses.dataclass
+class Built:
+    model: object
+    fun: object
+    args: tuple
+    kwargs: dict
+
+
+def standard(kit, p, extra_parts, middle, d_in=None):
+    """front -> middle(parts, h) -> body -> head, with the MSE against per-example targets."""
+    parts = common_parts(kit, p, d_in)
+    parts.update(extra_parts)
+    if p.raw:
+        parts["raw"] = kit.param(kit.normal(p.d))
+
+    def fn(parts, x):
+        h = front(kit, p, parts, x)
+        if p.raw:
+            h = h + kit.val(parts["raw"])
+        h = middle(parts, h)
+        return head(kit, parts, body(kit, p, parts, h))
+
+    x, y = inputs(kit, p, d_in)
+    return Built(kit.model(parts, fn), lambda m, x, y: mse(kit.run(m, x), y), (x, y), {})
+
+
+# --- one builder per class ----------------------------------------------------------------
+
+
+def build(p: Prog) -> Built:
+    kit = Kit(p)
+    return BUILDERS[p.cls](kit, p)
+
+
+def b_batched(kit, p):
+    return standard(kit, p, {}, lambda parts, h: h)
+
+
+def b_uncovered_array(kit, p):
+    extra = {"p": kit.param(kit.normal(p.d, p.d) if p.variant == "matmul" else kit.normal(p.d))}
+    ops = {"add": lambda h, a: h + a, "mul": lambda h, a: h * a, "matmul": lambda h, a: jnp.tanh(h @ a)}
+    return standard(kit, p, extra, lambda parts, h: ops[p.variant](h, kit.val(parts["p"])))
+
+
+def b_custom_module(kit, p):
+    if p.variant == "affine":
+        mod = Affine(kit.normal(p.d, p.d), kit.normal(p.d)) if kit.eqx else NAffine(p.d, kit.key())
+    else:
+        mod = Gated(kit.layer("linear", p.d), kit.normal(p.d)) if kit.eqx else NGated(p.d, kit.key())
+    return standard(kit, p, {"custom": mod}, lambda parts, h: parts["custom"](h))
+
+
+def b_position_ids(kit, p):
+    p = dataclasses.replace(p, T=p.B) if p.variant == "T==B" else dataclasses.replace(p, T=p.B + 1)
+    return standard(kit, p, {"pos": kit.layer("embed", p.T, p.d)}, lambda parts, h: h + kit.apply("embed", parts["pos"], jnp.arange(p.T)))
+
+
+def b_shared_table(kit, p):
+    p = dataclasses.replace(p, T=p.B) if p.variant == "T==B" else dataclasses.replace(p, T=p.B + 1)
+    extra = {"table": kit.param(kit.normal(p.T, p.d)), "tlin": kit.layer("linear", p.d)}
+    return standard(kit, p, extra, lambda parts, h: h + kit.apply("linear", parts["tlin"], kit.val(parts["table"])))
+
+
+def b_repeated(kit, p):
+    def middle(parts, h):
+        for _ in range(2 if p.variant == "twice" else 3):
+            h = jnp.tanh(kit.apply("linear", parts["rep"], h))
+        return h
+
+    return standard(kit, p, {"rep": kit.layer("linear", p.d)}, middle)
+
+
+def b_two_shapes(kit, p):
+    def middle(parts, h):
+        lin = parts["rep"]
+        h = jnp.tanh(kit.apply("linear", lin, h))
+        pooled = jnp.tanh(kit.apply("linear", lin, jnp.mean(h, axis=-2)))
+        return h + pooled[..., None, :]
+
+    return standard(kit, p, {"rep": kit.layer("linear", p.d)}, middle)
+
+
+def b_scan_stack(kit, p):
+    n = 2 + p.seed % 2
+    bias = p.variant == "linear"
+    if kit.eqx:
+        stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(p.d, p.d, use_bias=bias, key=k))(jax.random.split(kit.key(), n))
+
+        def middle(parts, h):
+            dyn, static = eqx.partition(parts["stack"], eqx.is_array)
+
+            def step(h, layer_dyn):
+                layer = eqx.combine(layer_dyn, static)
+                return jnp.tanh(jax.vmap(layer)(h)), None
+
+            return lax.scan(step, h, dyn)[0]
+
+    else:
+
+        @nnx.split_rngs(splits=n)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return nnx.Linear(p.d, p.d, use_bias=bias, rngs=rngs, param_dtype=F64, dtype=F64)
+
+        stack = create(nnx.Rngs(p.seed))
+
+        def middle(parts, h):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def step(h, layer):
+                return jnp.tanh(layer(h))
+
+            return step(h, parts["stack"])
+
+    return standard(kit, p, {"stack": stack}, middle)
+
+
+def b_checkpoint_jit(kit, p):
+    def middle(parts, h):
+        call = lambda lin, h: jnp.tanh(kit.apply("linear", lin, h))  # noqa: E731
+        if kit.eqx:
+            wrapped = jax.checkpoint(call) if p.variant == "checkpoint" else eqx.filter_jit(call)
+        else:
+            wrapped = nnx.remat(call) if p.variant == "checkpoint" else nnx.jit(call)
+        return wrapped(parts["wrapped"], h)
+
+    return standard(kit, p, {"wrapped": kit.layer("linear", p.d)}, middle)
+
+
+def b_tied_shared(kit, p):
+    if kit.eqx:
+        embed, out = kit.layer("embed", V, p.d), kit.layer("linear", p.d, V)
+        parts = {"tie": eqx.nn.Shared((embed, out), lambda t: t[1].weight, lambda t: t[0].weight)}
+        for i, kind in enumerate(p.body):
+            parts[f"body{i}"] = kit.layer(kind, p.d)
+
+        def fn(parts, x):
+            embed, out = parts["tie"]()
+            h = body(kit, p, parts, jnp.tanh(jax.vmap(embed)(x)))
+            return jax.vmap(out)(h)
+
+    else:
+        parts = common_parts(kit, p)
+        parts["a"], parts["b"] = kit.layer("linear", p.d), kit.layer("linear", p.d)
+        parts["b"].kernel = parts["a"].kernel  # one Variable in two layers
+
+        def fn(parts, x):
+            h = front(kit, p, parts, x)
+            h = jnp.tanh(parts["b"](jnp.tanh(parts["a"](h))))
+            return head(kit, parts, body(kit, p, parts, h))
+
+    x, _ = inputs(kit, p)
+    y = kit.normal(p.B, p.T, V if kit.eqx else N_OUT, scale=1.0)
+    return Built(kit.model(parts, fn), lambda m, x, y: mse(kit.run(m, x), y), (x, y), {})
+
+
+def b_tied_transpose(kit, p):
+    parts = common_parts(kit, p)
+
+    def fn(parts, x):
+        h = body(kit, p, parts, front(kit, p, parts, x))
+        return h @ parts["inp"].weight.T if kit.eqx else parts["inp"].attend(h)
+
+    x, _ = inputs(kit, p)
+    return Built(kit.model(parts, fn), lambda m, x, y: mse(kit.run(m, x), y), (x, kit.normal(p.B, p.T, V, scale=1.0)), {})
+
+
+def b_tied_tree_at(kit, p):
+    parts = common_parts(kit, p)
+    parts["out"] = kit.layer("linear", p.d, V)
+
+    def fn(parts, x):
+        h = body(kit, p, parts, front(kit, p, parts, x))
+        out = eqx.tree_at(lambda l: l.weight, parts["out"], parts["inp"].weight)
+        return jax.vmap(out)(h)
+
+    x, _ = inputs(kit, p)
+    return Built(kit.model(parts, fn), lambda m, x, y: mse(kit.run(m, x), y), (x, kit.normal(p.B, p.T, V, scale=1.0)), {})
+
+
+def _weight_swap(transform):
+    """A middle step: the Linear ``parts["lin"]`` with its weight replaced by ``transform(parts)``."""
+
+    def middle(parts, h):
+        lin = eqx.tree_at(lambda l: l.weight, parts["lin"], transform(parts))
+        return jnp.tanh(jax.vmap(lin)(h))
+
+    return middle
+
+
+def b_frozen(kit, p):
+    if p.variant == "weight":
+        middle = lambda parts, h: jnp.tanh(jax.vmap(eqx.tree_at(lambda l: l.weight, parts["lin"], replace_fn=lax.stop_gradient))(h))  # noqa: E731
+    else:
+        middle = lambda parts, h: jnp.tanh(jax.vmap(jax.tree.map(lax.stop_gradient, parts["lin"]))(h))  # noqa: E731
+    return standard(kit, p, {"lin": kit.layer("linear", p.d)}, middle)
+
+
+def b_masked(kit, p):
+    mask = jax.random.bernoulli(kit.key(), 0.6, (p.d, p.d))
+    return standard(kit, p, {"lin": kit.layer("linear", p.d), "mask": mask}, _weight_swap(lambda parts: jnp.where(parts["mask"], parts["lin"].weight, 0.0)))
+
+
+def b_scaled(kit, p):
+    extra = {"lin": kit.layer("linear", p.d), "g": kit.normal(p.d), "s": kit.normal()}
+    transform = {
+        "const": lambda parts: 0.5 * parts["lin"].weight,
+        "scalar": lambda parts: parts["s"] * parts["lin"].weight,
+        "weight_norm": lambda parts: parts["g"][:, None] * parts["lin"].weight / jnp.linalg.norm(parts["lin"].weight, axis=1, keepdims=True),
+    }[p.variant]
+    return standard(kit, p, extra, _weight_swap(transform))
+
+
+def b_lora(kit, p):
+    extra = {"lin": kit.layer("linear", p.d), "A": kit.normal(p.d, 1), "Bm": kit.normal(1, p.d)}
+
+    def middle(parts, h):
+        base = parts["lin"] if p.variant == "bias" else eqx.tree_at(lambda l: l.bias, parts["lin"], replace_fn=lax.stop_gradient)
+        lin = eqx.tree_at(lambda l: l.weight, base, lax.stop_gradient(parts["lin"].weight) + parts["A"] @ parts["Bm"])
+        return jnp.tanh(jax.vmap(lin)(h))
+
+    return standard(kit, p, extra, middle)
+
+
+def b_negative_ids(kit, p):
+    built = b_batched(kit, p)
+    ids = jax.random.randint(kit.key(), (p.B, p.T), -V, V)
+    ids = ids.at[0, 0].set(-1).at[0, 1].set(V - 1)
+    return dataclasses.replace(built, args=(ids, built.args[1]))
+
+
+def b_mixed_dtypes(kit, p):
+    if p.variant == "int_leaf":
+        extra = {"perm": jnp.asarray(np.random.default_rng(p.seed).permutation(p.d), jnp.int32)}
+        if not kit.eqx:
+            extra = {"perm": nnx.Variable(extra["perm"])}
+        return standard(kit, p, extra, lambda parts, h: h[..., kit.val(parts["perm"])])
+    if p.variant == "bool_leaf":
+        extra = {"keep": jnp.arange(p.d) % 2 == 0}
+        if not kit.eqx:
+            extra = {"keep": nnx.Variable(extra["keep"])}
+        return standard(kit, p, extra, lambda parts, h: jnp.where(kit.val(parts["keep"]), h, 0.5 * h))
+    built = b_batched(kit, p)
+    x, y = built.args
+    if p.variant == "x_float32":
+        x = x.astype(jnp.float32) if p.inp == "linear" else x
+    else:
+        x = x.astype(jnp.int32) if p.inp == "embed" else x
+    return dataclasses.replace(built, args=(x, y))
+
+
+def b_targets_closure(kit, p):
+    built = b_batched(kit, p)
+    x, y = built.args
+    fun = built.fun
+    return dataclasses.replace(built, fun=lambda m, x: fun(m, x, y), args=(x,))
+
+
+def b_weights_keyword(kit, p):
+    built = b_batched(kit, p)
+    fun = built.fun
+    w = jax.random.uniform(kit.key(), (p.B,), F64, 0.5, 2.0)
+    return dataclasses.replace(built, fun=lambda m, x, y, *, weights: weights * fun(m, x, y), kwargs={"weights": w})
+
+
+def b_mask_TT(kit, p):
+    p = dataclasses.replace(p, T=p.B)
+    parts = common_parts(kit, p)
+
+    def fn(parts, x, mask):
+        h = front(kit, p, parts, x)
+        h = mask @ h if kit.eqx else jnp.einsum("ts,bsd->btd", mask, h)
+        return head(kit, parts, body(kit, p, parts, h))
+
+    x, y = inputs(kit, p)
+    mask = jnp.tril(jnp.ones((p.T, p.T), F64)) / jnp.arange(1, p.T + 1, dtype=F64)[:, None]
+    return Built(kit.model(parts, fn), lambda m, x, mask, y: mse(kit.run(m, x, mask), y), (x, mask, y), {})
+
+
+def b_feature_major(kit, p):
+    d_in = p.B if p.variant == "din==B" else p.B + 1
+    if p.inp == "embed":
+        p = dataclasses.replace(p, inp="linear")
+    built = standard(kit, p, {}, lambda parts, h: h, d_in=d_in)
+    x, y = built.args
+    fun = built.fun
+    return dataclasses.replace(built, fun=lambda m, xt, y: fun(m, jnp.transpose(xt, (2, 1, 0)), y), args=(jnp.transpose(x, (2, 1, 0)), y))
+
+
+def b_batch_centring(kit, p):
+    if p.variant == "hidden" and not kit.eqx:
+        return standard(kit, p, {}, lambda parts, h: h - jnp.mean(h, axis=0))
+    built = b_batched(kit, p)
+
+    def fun(m, x, y):
+        out = kit.run(m, x)
+        return mse(out - jnp.mean(out, axis=0), y)
+
+    return dataclasses.replace(built, fun=fun)
+
+
+def b_batch_norm(kit, p):
+    if p.variant == "nnx_batchnorm" and not kit.eqx:
+        bn = nnx.BatchNorm(p.d, use_running_average=False, rngs=nnx.Rngs(0), param_dtype=F64, dtype=F64)
+        return standard(kit, p, {"bn": bn}, lambda parts, h: parts["bn"](h.reshape(-1, p.d)).reshape(h.shape))
+    built = b_batched(kit, p)
+
+    def fun(m, x, y):
+        out = kit.run(m, x)
+        mu, var = jnp.mean(out, axis=0), jnp.var(out, axis=0)
+        return mse((out - mu) / jnp.sqrt(var + 0.1), y)
+
+    return dataclasses.replace(built, fun=fun)
+
+
+def b_contrastive(kit, p):
+    built = b_batched(kit, p)
+    x, _ = built.args
+    x2 = x + 0.1 * jnp.ones_like(x) if p.inp == "linear" else jnp.roll(x, 1, axis=1)
+
+    def fun(m, x, x2):
+        z1, z2 = kit.run(m, x).reshape(x.shape[0], -1), kit.run(m, x2).reshape(x.shape[0], -1)
+        logits = z1 @ z2.T
+        return -jnp.diagonal(jax.nn.log_softmax(logits, axis=1))
+
+    return dataclasses.replace(built, fun=fun, args=(x, x2))
+
+
+BUILDERS = {name[2:]: f for name, f in dict(globals()).items() if name.startswith("b_")}
+assert set(BUILDERS) == set(CLASSES), set(BUILDERS) ^ set(CLASSES)
+
+# --- the strategy ---------------------------------------------------------------------------
+
+
+@st.composite
+def programs(draw, classes):
+    # Every choice lists its harder option first: the first (simplest) draw, which is the
+    # quick profile's one program per class, is the one most likely to find a bug.
+    cls = draw(st.sampled_from(sorted(classes)))
+    c = CLASSES[cls]
+    fw = draw(st.sampled_from(c.frameworks))
+    variant = draw(st.sampled_from(active_variants(cls)))
+    if (cls, variant) in {("batch_centring", "hidden"), ("batch_norm", "nnx_batchnorm")}:
+        fw = "nnx"
+    return Prog(
+        cls=cls,
+        fw=fw,
+        variant=variant,
+        inp=draw(st.sampled_from(c.inputs)),
+        body=tuple(draw(st.lists(st.sampled_from(BODY), max_size=2))),
+        B=draw(st.integers(2, 4)),
+        T=draw(st.integers(2, 3)),
+        d=draw(st.integers(2, 3)),
+        seed=draw(st.integers(0, 2**16)),
+        raw=draw(st.sampled_from((True, False))),
+        # the quick profile runs each program once, eager or under jit; the others both
+        mode=draw(st.sampled_from(("eager", "jit"))) if _PROFILE == "quick" else "both",
+    )
+
+
+# --- the checks -------------------------------------------------------------------------------
+
+
+def _jit(f, fw):
+    return eqx.filter_jit(f) if fw == "eqx" else nnx.jit(f)
+
+
+def close(actual, expected, what):
+    """Leaf by leaf to RTOL, with an absolute floor of RTOL times the tree's largest entry."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected), f"{what}: structure {jax.tree.structure(actual)} != {jax.tree.structure(expected)}"
+    a, e = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    scale = max([float(np.max(np.abs(np.asarray(x)), initial=0.0)) for x in e] + [1e-300])
+    for x, y in zip(a, e):
+        assert np.shape(x) == np.shape(y), f"{what}: shape {np.shape(x)} != {np.shape(y)}"
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=RTOL, atol=RTOL * 1e-2 * scale, err_msg=what)
+
+
+MIXING = re.compile(r"(?is)(example.*(depend|independen|mix|interact))|((depend|independen|mix|interact).*example)")
+
+
+def max_norm_for(ref):
+    norms = np.sqrt(np.asarray(ref.total))
+    c = float(np.median(norms)) * 0.8
+    return c if c > 0 else 1.0
+
+
+def check_program(p: Prog):
+    built = build(p)
+    model, fun, args, kwargs = built.model, built.fun, built.args, built.kwargs
+    ref = oracle_per_example(fun, model, *args, **kwargs)
+    assert ref.losses.shape == (p.B,), ref.losses.shape
+    assert np.all(np.isfinite(np.asarray(ref.total))), "the oracle itself is not finite: a bad program"
+    c = max_norm_for(ref)
+
+    def ours(model, args, kwargs):
+        losses, sq = jt.per_example_norms(fun)(model, *args, **kwargs)
+        _, total = jt.per_example_norms(fun, total=True)(model, *args, **kwargs)
+        _, clipped = jt.clipped_grad(fun, c)(model, *args, **kwargs)
+        return losses, sq, total, clipped
+
+    for mode, f in (("eager", ours), ("jit", _jit(ours, p.fw))):
+        if p.mode not in ("both", mode):
+            continue
+        try:
+            losses, sq, total, clipped = f(model, args, kwargs)
+        except jt.TagError as e:
+            if CLASSES[p.cls].interacting and MIXING.search(str(e)):
+                continue
+            raise
+        np.testing.assert_allclose(np.asarray(losses), np.asarray(ref.losses), rtol=1e-12, err_msg=f"{mode}: losses")
+        close(sq, ref.sq_norms, f"{mode}: per-leaf squared norms")
+        close(total, ref.total, f"{mode}: total squared norms")
+        close(clipped, ref.clipped(c), f"{mode}: clipped sum (max_norm {c})")
+
+
+def _skip_known(name):
+    if name in KNOWN_FAILING:
+        pytest.skip(f"{name}: known to fail on the current implementation (KNOWN_FAILING; issue 33)")
+
+
+@pytest.mark.parametrize("cls", sorted(CLASSES))
+def test_class(cls):
+    """Random programs of one class: the norms and the clipped sum are the definition's, or (interacting) a TagError."""
+    _skip_known(cls)
+    if not active_variants(cls):
+        pytest.skip(f"{cls}: every variant is known to fail on the current implementation (KNOWN_FAILING; issue 33)")
+
+    @PROFILE
+    @given(programs([cls]))
+    def run(p):
+        check_program(p)
+
+    run()
+
+
+@pytest.mark.parametrize("entry", sorted(e for e in KNOWN_FAILING if ":" in e) or [None])
+def test_known_failing_variant(entry):
+    """One skip per variant left out of the draws above (whole classes skip in test_class)."""
+    if entry is None:
+        return
+    pytest.skip(f"{entry}: this variant is known to fail on the current implementation and is not drawn (KNOWN_FAILING; issue 33)")
+
+
+COMPOSE_BASE = ("batched", "uncovered_array", "custom_module", "repeated", "position_ids")
+
+
+def check_composition(around, p: Prog):
+    built = build(p)
+    model, fun, args, kwargs = built.model, built.fun, built.args, built.kwargs
+    diff, rebuild = split_model(model)
+    ref = oracle_per_example(fun, model, *args, **kwargs)
+    c = max_norm_for(ref)
+
+    def norms(d):
+        return jt.per_example_norms(fun)(rebuild(d), *args, **kwargs)[1]
+
+    if around == "jit":
+        close(jax.jit(norms)(diff), ref.sq_norms, "jax.jit(per_example_norms)")
+        close(jax.jit(lambda d: jt.clipped_grad(fun, c)(rebuild(d), *args, **kwargs)[1])(diff), ref.clipped(c), "jax.jit(clipped_grad)")
+    elif around == "checkpoint":
+        close(jax.checkpoint(norms)(diff), ref.sq_norms, "jax.checkpoint(per_example_norms)")
+    elif around == "grad_norms":
+        ours = jax.grad(lambda d: jnp.sum(jt.per_example_norms(fun, total=True)(rebuild(d), *args, **kwargs)[1]))(diff)
+        expected = jax.grad(lambda d: jnp.sum(oracle_per_example(fun, rebuild(d), *args, **kwargs).total))(diff)
+        close(ours, expected, "jax.grad of the summed norms")
+    elif around == "grad_clipped":
+        probe = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), diff)
+        dot = lambda g: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(probe)))  # noqa: E731
+        ours = jax.grad(lambda d: dot(jt.clipped_grad(fun, c)(rebuild(d), *args, **kwargs)[1]))(diff)
+        expected = jax.grad(lambda d: dot(oracle_per_example(fun, rebuild(d), *args, **kwargs).clipped(c)))(diff)
+        close(ours, expected, "jax.grad of a projection of the clipped sum")
+
+
+@pytest.mark.parametrize("around", COMPOSITIONS)
+def test_composition(around):
+    """jax.jit, jax.grad and jax.checkpoint around the transforms, on classes that are exact."""
+    _skip_known(f"compose_{around}")
+    base = [c for c in COMPOSE_BASE if active_variants(c)]
+    if not base:
+        pytest.skip("every base class of the compositions is in KNOWN_FAILING")
+
+    @PROFILE
+    @given(programs(base))
+    def run(p):
+        check_composition(around, p)
+
+    run()
+
+
+def test_oracle_is_the_definition():
+    """The oracle's rows against central finite differences, and against vmap(grad) where examples are independent."""
+    from per_example_oracle import finite_difference_row
+
+    p = Prog("position_ids", "eqx", "", "linear", ("layernorm",), 3, 2, 2, 7)
+    built = build(p)
+    ref = oracle_per_example(built.fun, built.model, *built.args)
+    leaves = jax.tree.leaves(ref.grads)
+    fun = jax.jit(built.fun)
+    for leaf in range(len(leaves)):
+        i = leaf % p.B
+        fd = finite_difference_row(fun, built.model, *built.args, i=i, leaf=leaf, index=leaves[leaf][i].size - 1)
+        np.testing.assert_allclose(fd, leaves[leaf][i].reshape(-1)[-1], rtol=1e-6, atol=1e-9)
+    # vmap(grad) of one example's loss: the same rows here (the examples do not interact)
+    diff, rebuild = split_model(built.model)
+    one = lambda d, x, y: built.fun(rebuild(d), x[None], y[None])[0]  # noqa: E731
+    per = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(diff, *built.args)
+    close(per, ref.grads, "vmap(grad) vs jacrev")
