@@ -172,8 +172,8 @@ class ModuleTag:
         """``fn(*args, **kwargs)`` with its inputs and output tagged."""
         for name in self.params:
             value = getattr(module, name, None)
-            if not isinstance(value, jax.Array) and hasattr(value, "get_value"):  # an nnx.Variable: its array
-                value = value.get_value()
+            if not isinstance(value, jax.Array) and value is not None:  # an nnx.Variable: its array
+                value = value.get_value() if hasattr(value, "get_value") else getattr(value, "value", None)
             if isinstance(value, jax.Array):
                 tag(value, self.path + PARAMS_SUFFIX + name, repeated=True)
         if self.inputs:
