@@ -34,9 +34,14 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="a long test: run with --long (.ci/run does)")
     for item in items:
-        eager = "long_eager" in item.keywords and getattr(item, "callspec", None) and item.callspec.params.get("maybe_jit") == "eager"
-        if "long" in item.keywords or "slow" in item.keywords or eager:
+        if "long" in item.keywords or "slow" in item.keywords or ("long_eager" in item.keywords and _is_eager(item)):
             item.add_marker(skip)
+
+
+def _is_eager(item) -> bool:
+    """The variant of a test that runs without ``jax.jit``: ``maybe_jit="eager"`` or ``jit=False``."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("maybe_jit") == "eager" or params.get("jit") is False
 
 
 @pytest.fixture(params=["eager", "jit"])

@@ -666,6 +666,7 @@ def pairs_in_a_switch(x, e=None):
     return jax.checkpoint(lambda x: lax.switch((jnp.sum(x) < 0).astype(jnp.int32), [branch, jnp.tanh], x))(x)
 
 
+@pytest.mark.long_eager
 @pytest.mark.parametrize("uses", [1, 2])
 def test_a_partial_remat_copy_under_an_inner_grad_is_a_copy(maybe_jit, uses):
     """JAX's backward pass rematerialises only the first call of the branch: a copy of that call.

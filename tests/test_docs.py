@@ -91,7 +91,7 @@ def test_pages_have_blocks():
 
 # The longest pages (7-15 s each): their blocks run with --long, as .ci/run does. training-statistics.md
 # compiles the loss-spike recipe (tests/test_stats.py runs its first block by default).
-LONG_PAGES = {"coming-from-transformerlens.md", "coming-from-captum.md", "coming-from-perturb.md", "training-statistics.md"}
+LONG_PAGES = {"coming-from-transformerlens.md", "coming-from-captum.md", "coming-from-perturb.md", "training-statistics.md", "loss-paths.md"}
 
 
 @pytest.mark.parametrize(

@@ -276,6 +276,7 @@ class EqxTied(eqx.Module):
         return jax.vmap(head)(h)
 
 
+@pytest.mark.slow  # 6-20 s on 2 cores: with --long (CI's newest-3.11 cell)
 def test_tied_equinox():
     """eqx.nn.Shared ties the head to the embedding; `mix` runs twice: the cross terms count."""
     model = to_dtype(EqxTied(KEY))
@@ -370,6 +371,7 @@ def test_layers_in_checkpoint_jit_and_scan_by_factors():
     assert not np.any(sq.unused.weight) and sq.a.weight.shape == (B,)
 
 
+@pytest.mark.slow  # 6-20 s on 2 cores: with --long (CI's newest-3.11 cell)
 def test_batch_size_equal_to_other_axes():
     """B equals the number of calls and the sequence length: the batch axis is found by a probe."""
     model = to_dtype(EqxTied(KEY))
@@ -435,6 +437,7 @@ def test_transforms_and_jaxtrace_around():
     close(gx, jax.grad(outer_ref)(x, jnp.zeros_like(x)), rtol=1e-9)
 
 
+@pytest.mark.slow  # 6-20 s on 2 cores: with --long (CI's newest-3.11 cell)
 def test_traced_max_norm_and_grad_around():
     model = to_dtype(eqx.nn.MLP(3, 2, 8, 2, key=KEY))
     x, y = data(B, 3), data(B, 2, key=2)
@@ -470,7 +473,7 @@ def test_clipped_sum_costs_one_backward_pass():
     assert clipped <= 1.1 * plain, (clipped, plain)  # a second backward pass: 1.28x here
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=SLOW), jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=SLOW), pytest.param(jnp.bfloat16, marks=SLOW)])
 def test_low_precision(dtype):
     """The norms accumulate in float32 at least; compared with the float64 oracle on the same weights."""
     model = to_dtype(EqxBlock(11, 8, 5, KEY), dtype)
@@ -541,6 +544,7 @@ print("sharded ok", total.sharding)
 """
 
 
+@pytest.mark.slow  # 6-20 s on 2 cores: with --long (CI's newest-3.11 cell)
 def test_sharded_batch():
     """A batch sharded over 4 CPU devices (XLA_FLAGS fixes the device count at start-up: a subprocess)."""
     import subprocess

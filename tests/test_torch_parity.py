@@ -162,6 +162,7 @@ def _cnn_losses(tt):
     return (lambda out: (out * tt).sum()), jloss
 
 
+@pytest.mark.long_eager
 @pytest.mark.parametrize("jit", [False, True])
 def test_cnn_inplace_relu_pooling(jit):
     torch.manual_seed(1)
@@ -338,6 +339,7 @@ class JaxBlock(eqx.Module):
         return jt.tag(x + jt.tag(h, "mlp"), "resid2")
 
 
+@pytest.mark.long_eager
 @pytest.mark.parametrize("jit", [False, True])
 def test_transformer_block(jit):
     torch.manual_seed(3)

@@ -413,7 +413,10 @@ def _layer_cases():
     }
 
 
-@pytest.mark.parametrize("kind", list(_layer_cases()))
+@pytest.mark.parametrize(
+    "kind",  # the two-layer bidirectional RNNs take ~10 s each on 2 cores: with --long
+    [pytest.param(k, marks=pytest.mark.slow) if k.endswith("2layer_bidirectional") else k for k in _layer_cases()],
+)
 def test_load_weights_layer_parity_forward_and_backward(kind):
     tlayer, jlayer, jcall, targs, extra = _layer_cases()[kind]
     if kind.startswith("batchnorm"):
