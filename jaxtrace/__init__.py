@@ -24,7 +24,7 @@ from ._nonfinite import NonfiniteReport as NonfiniteReport
 from ._patch_grad import patch_grad as patch_grad
 from ._per_example import clipped_grad as clipped_grad
 from ._per_example import per_example_norms as per_example_norms
-from ._sites import TagError as TagError
+from ._errors import TagError as TagError
 from ._tag import tag as tag
 from . import _vmap_cond  # noqa: F401  (teaches jax.vmap of lax.cond to mask the tags in its branches)
 from . import stats as stats

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._perturb import perturb
-from ._sites import Site, TagSelection, check_callable, check_tags
+from ._checks import check_callable
+from ._selection import TagSelection, check_tags
+from ._sites import Site
 from ._split import Split
 
 

@@ -26,6 +26,61 @@ from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad as _ad  # the linearize rules and LinearizeTracer
 from jax._src.interpreters import batching as _batching  # moveaxis, not_mapped: gone from the public module
 
+__all__ = [
+    "COND",
+    "CUSTOM_DERIVATIVES",
+    "CUSTOM_LINEAR",
+    "INLINE_CALLS",
+    "INLINE_EARLY",
+    "REMAT",
+    "SCAN",
+    "SHARD_MAP",
+    "WHILE",
+    "bind_params",
+    "call_body",
+    "call_shardings",
+    "cond_branches",
+    "construct",
+    "custom_primal",
+    "define_primitive",
+    "float0",
+    "frame_files",
+    "has_linearize_rule",
+    "is_linearizing",
+    "is_zero",
+    "jaxpr_and_consts",
+    "moveaxis_batched",
+    "name_stack_context",
+    "not_mapped",
+    "read",
+    "remat_options",
+    "scan_params",
+    "shard_map",
+    "shard_map_params",
+    "sharding_key",
+    "source_context",
+    "source_line",
+    "sub_jaxprs",
+    "unknown_layout",
+    "user_lines",
+    "while_params",
+    "with_params",
+    "wrap_cond_batching",
+    "write",
+    "zeros",
+    "ClosedJaxpr",
+    "DropVar",
+    "Jaxpr",
+    "Literal",
+    "Primitive",
+    "ScanParams",
+    "ShardMapParams",
+    "Tracer",
+    "UnknownLayoutError",
+    "WhileParams",
+    "Zero",
+]
+
 Primitive = _extend_core.Primitive
 Tracer = jax.core.Tracer
 Literal = _extend_core.Literal
@@ -236,37 +291,18 @@ def with_params(eqn, **params):
     return eqn.replace(params={**eqn.params, **params})
 
 
-def bind_equation(eqn, invals: Sequence[Any]) -> list[Any]:
-    """Bind one equation as ``jax.core.eval_jaxpr`` does; always a list of outputs."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(bind_params, tuple):  # JAX < 0.9.2: (subfuns, params)
-        subfuns, bind_params = bind_params
-    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        first_order = not (subfuns or eqn.effects or "subfuns" in bind_params or sub_jaxprs(eqn.params))
-        linearized = _linearized_bind(eqn.primitive, bind_params, invals) if first_order else None
-        out = eqn.primitive.bind(*subfuns, *invals, **bind_params) if linearized is None else linearized
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def splice_step(eqn, refs: tuple) -> tuple | None:
-    """What ``spliced`` needs to bind ``eqn`` inside a run of equations, as a hashable value
-    (``refs``: where its operands come from); None where it cannot go in a run (a higher-order
-    or effectful equation, params that cannot be hashed)."""
-    if eqn.effects or sub_jaxprs(eqn.params):
-        return None
+def bind_params(eqn) -> tuple[tuple, dict]:
+    """``(subfuns, params)`` to bind ``eqn``'s primitive with (JAX < 0.9.2 gives subfuns apart)."""
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bind_params, tuple):  # JAX < 0.9.2: (subfuns, params)
-        subfuns, bind_params = bind_params
-        if subfuns:
-            return None
-    step = (eqn.primitive, tuple(sorted(bind_params.items())), eqn.ctx, eqn.source_info.name_stack, refs)
-    try:
-        hash(step)
-    except TypeError:
-        return None
-    return step
+        return bind_params
+    return (), bind_params
+
+
+def name_stack_context(name_stack):
+    """A context in which new equations get no source line of their own and ``name_stack`` under
+    the current one (an equation bound again inside a call: the call gives the line)."""
+    return _source_info_util.user_context(None, name_stack=_source_info_util.current_name_stack() + name_stack)
 
 
 def user_lines(eqn) -> tuple:
@@ -285,33 +321,19 @@ def frame_files(eqn) -> tuple:
 
 
 def is_linearizing(invals: Sequence[Any]) -> bool:
-    """Whether ``jax.vjp`` is differentiating through these values (``_linearized_bind``'s case)."""
+    """Whether ``jax.vjp`` is differentiating through these values (``jax.linearize``'s tracers)."""
     return _LINEARIZE_TRACER is not None and any(isinstance(v, _LINEARIZE_TRACER) for v in invals)
 
 
-@functools.lru_cache(maxsize=4096)
-def spliced(steps: tuple, outputs: tuple):
-    """A run of first-order equations as one function, inlined where it is called.
+def has_linearize_rule(primitive) -> bool:
+    """Whether JAX linearizes ``primitive`` with a rule of its own (``sin``, ``jit``, ``scan``...)
+    rather than by tracing and partially evaluating its JVP rule."""
+    return _LINEARIZATIONS is not None and primitive in _LINEARIZATIONS
 
-    ``steps`` are ``splice_step``'s, each ``refs`` entry ``(0, i)`` (the run's input ``i``),
-    ``(1, j, k)`` (output ``k`` of step ``j``) or ``(2, constant)`` (a literal, bound as
-    ``constant.value``, hashed by value: ``_splice.Constant``); ``outputs`` are
-    ``(j, k)``. Cached on the structure, so runs that repeat (the layers of a network) share
-    one function: ``jax.vjp`` linearizes it once for them all (``_pjit_linearize`` caches on
-    the traced jaxpr), instead of each of their equations one by one.
-    """
 
-    def run(*args):
-        values: list = []
-        for primitive, params, ctx, name_stack, refs in steps:
-            invals = [args[r[1]] if r[0] == 0 else values[r[1]][r[2]] if r[0] == 1 else r[1].value for r in refs]
-            stack = _source_info_util.current_name_stack() + name_stack
-            with _source_info_util.user_context(None, name_stack=stack), ctx.manager:
-                out = primitive.bind(*invals, **dict(params))
-            values.append(out if primitive.multiple_results else (out,))
-        return [values[j][k] for j, k in outputs]
-
-    return jax.jit(run, inline=_INLINE_EARLY)
+# Inlined into the jaxpr while tracing. Since JAX 0.12 ``inline=True`` means inlined while
+# lowering (``jax.Inline.JAX_LATE``): a call per equation left for the lowering to emit.
+INLINE_EARLY = jax.Inline.JAX_EARLY if hasattr(jax, "Inline") else True
 
 
 def source_context(eqn, name_stack: bool = True):
@@ -320,40 +342,6 @@ def source_context(eqn, name_stack: bool = True):
     stack = _source_info_util.current_name_stack() + (eqn.source_info.name_stack if name_stack else
                                                          _source_info_util.NameStack())
     return _source_info_util.user_context(eqn.source_info.traceback, name_stack=stack)
-
-
-def _linearized_bind(primitive, params: dict, invals: Sequence[Any]):
-    """Bind a first-order primitive that ``jax.vjp`` is differentiating through a
-    cached ``jax.jit(..., inline=True)``, as ``jax.numpy`` functions are; else None.
-
-    A bare primitive without a linearize rule makes JAX trace and partially
-    evaluate its JVP rule at every bind. A jit-wrapped one is linearized once per
-    primitive, params and input types (``_pjit_linearize`` caches it), then
-    inlined: the program is the same, its tracing about twice as fast.
-    Primitives with a linearize rule (``sin``, ``jit``, ``scan``...) are bound as they are.
-    """
-    if _LINEARIZE_TRACER is None or primitive in _LINEARIZATIONS:
-        return None
-    if not any(isinstance(v, _LINEARIZE_TRACER) for v in invals):
-        return None
-    try:
-        fn = _jitted_primitive(primitive, tuple(sorted(params.items())))
-    except TypeError:  # unhashable params
-        return None
-    return fn(*invals)
-
-
-@functools.lru_cache(maxsize=4096)
-def _jitted_primitive(primitive, params: tuple):
-    def bind(*args):
-        return primitive.bind(*args, **dict(params))
-
-    return jax.jit(bind, inline=_INLINE_EARLY)
-
-
-# Inlined into the jaxpr while tracing. Since JAX 0.12 ``inline=True`` means inlined while
-# lowering (``jax.Inline.JAX_LATE``): a call per equation left for the lowering to emit.
-_INLINE_EARLY = jax.Inline.JAX_EARLY if hasattr(jax, "Inline") else True
 
 
 def source_line(eqn) -> str:

@@ -38,7 +38,8 @@ from ._module_tags import (
     tag_leaves,
     tagged_subclass,
 )
-from ._sites import TagSelection, check_callable, check_tags
+from ._checks import check_callable
+from ._selection import TagSelection, check_tags
 from ._stats_option import stat_names
 
 

@@ -9,7 +9,10 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from ._sites import Site, TagError, TagSelection, check_callable, check_tags, refuse_differentiated
+from ._checks import check_callable
+from ._errors import TagError
+from ._selection import TagSelection, check_tags, refuse_differentiated
+from ._sites import Site
 from ._split import Split, is_array, keep
 
 

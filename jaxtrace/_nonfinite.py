@@ -27,7 +27,9 @@ from jax import lax
 from . import _compat
 from ._module_tags import path_name
 from ._perturb import perturb
-from ._sites import Site, TagSelection, check_callable, check_tags
+from ._checks import check_callable
+from ._selection import TagSelection, check_tags
+from ._sites import Site
 from ._split import Split
 from ._tag import is_tag
 

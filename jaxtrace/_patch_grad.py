@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._sites import Site, TagError, check_callable, refuse_differentiated
+from ._checks import check_callable
+from ._errors import TagError
+from ._selection import refuse_differentiated
+from ._sites import Site
 from ._split import Split, is_array
 
 

@@ -1,10 +1,12 @@
-"""Build time: runs of equations that hold no selected tag, bound as one cached call.
+"""The build-time fast path: equations bound again so that ``jax.vjp`` linearizes them cheaply.
 
 Under ``jax.vjp`` every equation the ``Splitter`` binds is linearized one by one, which is
 most of jaxtrace's trace time. A run of two or more first-order equations that hold no
 selected tag (and are no tag) is bound instead as one ``jax.jit`` function, inlined early
-and cached on the run's structure (``_compat.spliced``), so the repeated layers of a network
-share one function and ``jax.vjp`` linearizes it once for all of them. A run stops where the
+and cached on the run's structure (``run_function``), so the repeated layers of a network
+share one function and ``jax.vjp`` linearizes it once for all of them. A single equation
+(``bind_equation``) is bound through a cached jit of its primitive where JAX has no linearize
+rule for it (``linearized_bind``). A run stops where the
 user's source line changes: JAX gives an inlined call's equations the call's line, so every
 equation keeps its own. The program is the same equation for equation.
 
@@ -16,12 +18,16 @@ their constants are the same bits; a literal too large to key cheaply keeps its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from . import _compat
+
+__all__ = ["Constant", "Run", "bind_equation", "constant", "linearized_bind", "run_function", "runs"]
 
 _LARGEST_CONSTANT = 1024  # bytes: a literal larger than this is not keyed (its run is bound unspliced)
 
@@ -129,7 +135,7 @@ def _make_run(eqns, start: int, stop: int, last_use: dict) -> Run | None:
                 ref = where[v] = (0, len(invars))
                 invars.append(v)
             refs.append(ref)
-        step = _compat.splice_step(eqn, tuple(refs))
+        step = _step(eqn, tuple(refs))
         if step is None:
             return None
         steps.append(step)
@@ -138,4 +144,83 @@ def _make_run(eqns, start: int, stop: int, last_use: dict) -> Run | None:
                 where[v] = (1, j, k)
     outvars = [v for eqn in eqns for v in eqn.outvars
                if not isinstance(v, _compat.DropVar) and last_use.get(v, -1) >= stop]
-    return Run(start, stop, invars, outvars, _compat.spliced(tuple(steps), tuple(where[v][1:] for v in outvars)))
+    return Run(start, stop, invars, outvars, run_function(tuple(steps), tuple(where[v][1:] for v in outvars)))
+
+
+def _step(eqn, refs: tuple) -> tuple | None:
+    """What ``run_function`` needs to bind ``eqn`` inside a run of equations, as a hashable value
+    (``refs``: where its operands come from); None where it cannot go in a run (a higher-order
+    or effectful equation, params that cannot be hashed)."""
+    if eqn.effects or _compat.sub_jaxprs(eqn.params):
+        return None
+    subfuns, bind_params = _compat.bind_params(eqn)
+    if subfuns:
+        return None
+    step = (eqn.primitive, tuple(sorted(bind_params.items())), eqn.ctx, eqn.source_info.name_stack, refs)
+    try:
+        hash(step)
+    except TypeError:
+        return None
+    return step
+
+
+@functools.lru_cache(maxsize=4096)
+def run_function(steps: tuple, outputs: tuple):
+    """A run of first-order equations as one function, inlined where it is called.
+
+    ``steps`` are ``_step``'s, each ``refs`` entry ``(0, i)`` (the run's input ``i``),
+    ``(1, j, k)`` (output ``k`` of step ``j``) or ``(2, constant)`` (a literal, bound as
+    ``constant.value``, hashed by value: ``Constant``); ``outputs`` are
+    ``(j, k)``. Cached on the structure, so runs that repeat (the layers of a network) share
+    one function: ``jax.vjp`` linearizes it once for them all (``_pjit_linearize`` caches on
+    the traced jaxpr), instead of each of their equations one by one.
+    """
+
+    def run(*args):
+        values: list = []
+        for primitive, params, ctx, name_stack, refs in steps:
+            invals = [args[r[1]] if r[0] == 0 else values[r[1]][r[2]] if r[0] == 1 else r[1].value for r in refs]
+            with _compat.name_stack_context(name_stack), ctx.manager:
+                out = primitive.bind(*invals, **dict(params))
+            values.append(out if primitive.multiple_results else (out,))
+        return [values[j][k] for j, k in outputs]
+
+    return jax.jit(run, inline=_compat.INLINE_EARLY)
+
+
+def bind_equation(eqn, invals: Sequence[Any]) -> list[Any]:
+    """Bind one equation as ``jax.core.eval_jaxpr`` does (through ``linearized_bind`` where that
+    applies); always a list of outputs."""
+    subfuns, bind_params = _compat.bind_params(eqn)
+    with _compat.source_context(eqn), eqn.ctx.manager:
+        first_order = not (subfuns or eqn.effects or "subfuns" in bind_params or _compat.sub_jaxprs(eqn.params))
+        linearized = linearized_bind(eqn.primitive, bind_params, invals) if first_order else None
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params) if linearized is None else linearized
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def linearized_bind(primitive, params: dict, invals: Sequence[Any]):
+    """Bind a first-order primitive that ``jax.vjp`` is differentiating through a
+    cached ``jax.jit(..., inline=True)``, as ``jax.numpy`` functions are; else None.
+
+    A bare primitive without a linearize rule makes JAX trace and partially
+    evaluate its JVP rule at every bind. A jit-wrapped one is linearized once per
+    primitive, params and input types (``_pjit_linearize`` caches it), then
+    inlined: the program is the same, its tracing about twice as fast.
+    Primitives with a linearize rule (``sin``, ``jit``, ``scan``...) are bound as they are.
+    """
+    if not _compat.is_linearizing(invals) or _compat.has_linearize_rule(primitive):
+        return None
+    try:
+        fn = _jitted_primitive(primitive, tuple(sorted(params.items())))
+    except TypeError:  # unhashable params
+        return None
+    return fn(*invals)
+
+
+@functools.lru_cache(maxsize=4096)
+def _jitted_primitive(primitive, params: tuple):
+    def bind(*args):
+        return primitive.bind(*args, **dict(params))
+
+    return jax.jit(bind, inline=_compat.INLINE_EARLY)

@@ -20,16 +20,20 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from . import _compat
-from ._split import Program, Splitter, keep
+from . import _compat, _higher_order
+from ._program import Program
+from ._split import keep
+from ._splitter import Splitter, per_leaf
 from ._tag import is_tag, tag_p
+
+__all__: list[str] = []  # nothing to import: importing it teaches jax.vmap of lax.cond to mask tags
 
 _CONDS = itertools.count()
 
 
 def _contains_tag(jaxpr) -> bool:
     jaxpr, _ = _compat.jaxpr_and_consts(jaxpr)
-    return any(is_tag(eqn) or any(map(_contains_tag, _compat.sub_jaxprs(eqn.params))) for eqn in jaxpr.eqns)
+    return any(is_tag(eqn) or any(map(_contains_tag, _higher_order.bodies(eqn))) for eqn in jaxpr.eqns)
 
 
 def _batched_cond(rule, axis_data, args, dims, *, branches, **params):
@@ -59,7 +63,7 @@ def _mask_branch(branch, i: int, cond: int, index_aval):
             choice = (*(eqn.params.get("choice") or ()), (cond, i))
             return tag_p.bind(new, mask, **{**eqn.params, "choice": choice})
 
-        outs, _ = Splitter(program, list(program.sites.values()), keep, retag=retag)(ops, {})
+        outs, _ = Splitter(program, list(program.sites.values()), per_leaf(keep), retag=retag)(ops, {})
         return outs
 
     return jax.make_jaxpr(masked)(*avals, index_aval)

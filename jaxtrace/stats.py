@@ -51,7 +51,8 @@ import numpy as np
 from ._ad import jacrev as _jacrev
 from ._ad import value_and_grad_with_sites as _value_and_grad_with_sites
 from ._module_tags import path_name as _path_name
-from ._sites import TagSelection, check_callable, check_tags
+from ._checks import check_callable
+from ._selection import TagSelection, check_tags
 
 STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
 """The statistics :func:`summarize` computes by default; ``"rms"`` is computed when asked for."""

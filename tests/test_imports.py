@@ -60,3 +60,54 @@ def test_equinox_helpers_are_their_implementations():
             raise AssertionError("jt.no_such_name did not raise AttributeError")
         """
     )
+
+
+# --- the core's import graph ------------------------------------------------------------------
+
+# The core, lowest first: each module imports only modules before it in this list (the split's
+# rules reach the program and the splitter through their arguments, never by import).
+CORE = (
+    "_errors",
+    "_checks",
+    "_version",
+    "_compat",
+    "_higher_order",
+    "_leaves",
+    "_sites",
+    "_stacking",
+    "_selection",
+    "_splice",
+    "_tag",
+    "_split_rules",
+    "_program",
+    "_splitter",
+    "_split",
+    "_vmap_cond",
+)
+
+
+def _jaxtrace_imports(module: str) -> set[str]:
+    """The ``jaxtrace`` modules that ``jaxtrace/<module>.py`` imports, anywhere in the file."""
+    import ast
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "jaxtrace" / f"{module}.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module} if node.module else {alias.name for alias in node.names}
+    return found
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_modules_import_only_modules_below_them(module):
+    below = set(CORE[: CORE.index(module)])
+    assert _jaxtrace_imports(module) <= below, f"jaxtrace.{module} imports {_jaxtrace_imports(module) - below}"
+
+
+def test_tag_error_is_shown_as_jaxtrace_tag_error():
+    import jaxtrace as jt
+    from jaxtrace._sites import TagError
+
+    assert TagError is jt.TagError and jt.TagError.__module__ == "jaxtrace"
+    assert issubclass(jt.TagError, ValueError)

@@ -13,7 +13,7 @@ from conftest import assert_trees_close
 from jax import lax
 
 import jaxtrace as jt
-from jaxtrace import _compat, _splice
+from jaxtrace import _splice
 
 XS = jnp.arange(12.0).reshape(4, 3) / 7 - 0.5
 
@@ -160,7 +160,7 @@ X = jnp.arange(3.0) - 0.5
 
 @pytest.mark.parametrize("c", [2.0, 3.0])
 def test_runs_with_literal_constants_are_spliced_and_cached(c):
-    _compat.spliced.cache_clear()
+    _splice.run_function.cache_clear()
     traces = []
 
     def f(w, x):
@@ -172,12 +172,12 @@ def test_runs_with_literal_constants_are_spliced_and_cached(c):
     g, tag_grads = jt.grad(f)(W, X)
     assert_trees_close(tag_grads, oracle)
     assert_trees_close(g, jax.grad(layers)(W, X, c, e0))
-    first = _compat.spliced.cache_info()
+    first = _splice.run_function.cache_info()
     # The layers' runs hold literals (c, the mean's count, 3.0) and are spliced: the repeated
     # layers share their functions.
     assert first.hits >= 6, first
     jt.grad(f)(W, X)
-    second = _compat.spliced.cache_info()
+    second = _splice.run_function.cache_info()
     assert second.misses == first.misses and second.hits > first.hits, (first, second)
     # Under jax.jit the second call does not trace the function again.
     jitted = jax.jit(jt.grad(f))
@@ -188,7 +188,7 @@ def test_runs_with_literal_constants_are_spliced_and_cached(c):
 
 
 def test_runs_that_differ_only_in_a_constant_do_not_share_a_splice(maybe_jit):
-    _compat.spliced.cache_clear()
+    _splice.run_function.cache_clear()
     e0 = jnp.zeros((4, 3))
     for c in (2.0, 3.0, 2.0, -0.5):
         _, tag_grads = maybe_jit(jt.grad(lambda w, x: layers(w, x, c)))(W, X)

@@ -21,6 +21,7 @@ from .. import _compat
 from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
+from .._splice import bind_equation
 from .._tag import tag as _tag
 from ._factors import sq_norm, weighted_sum
 from ._plan import plan_for
@@ -110,7 +111,7 @@ class Call:
                 name = at.get((id(eqn), i))
                 if name is not None:
                     ins[i] = _tag(jnp.broadcast_to(a, eqn.outvars[0].aval.shape), name)
-            for v, x in zip(eqn.outvars, _compat.bind_equation(eqn, ins)):
+            for v, x in zip(eqn.outvars, bind_equation(eqn, ins)):
                 _compat.write(env, v, x)
         return jax.tree_util.tree_unflatten(self._out_tree, [_compat.read(env, a) for a in self.jaxpr.outvars])
 
@@ -153,7 +154,7 @@ class Call:
 
         def forward(y):
             for eqn in chain:
-                (y,) = _compat.bind_equation(eqn, [y])
+                (y,) = bind_equation(eqn, [y])
             return y
 
         operand_aval = use.eqn.invars[use.index].aval

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _compat
+from .. import _compat, _higher_order
 from .._tag import is_tag
 from ._owners import ELEMENTWISE, MULTI, OWNERS, SHAPE_ONLY, Axis, Every, axis_of, elementwise, inexact, shape_of, unit
 
@@ -142,21 +142,20 @@ class _Analysis:
         read = lambda a: None if isinstance(a, _compat.Literal) else env.get(a)  # noqa: E731
         dep = lambda a: (not isinstance(a, _compat.Literal)) and self.dep.get((ctx, a), False)  # noqa: E731
         for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
+            kind = _higher_order.kind(eqn)
             ins, in_deps = [read(a) for a in eqn.invars], [dep(a) for a in eqn.invars]
             outs: list = [None] * len(eqn.outvars)
             out_deps = [any(in_deps)] * len(eqn.outvars)
             if is_tag(eqn):
                 outs = [ins[0]]
                 self._tag(eqn, ins[0], ctx, steps)
-            elif name in _compat.INLINE_CALLS or name in _compat.REMAT or name in _compat.CUSTOM_DERIVATIVES:
-                body = _compat.custom_primal(eqn) if name in _compat.CUSTOM_DERIVATIVES else _compat.call_body(eqn)
-                outs, out_deps = self._call(body, ins, in_deps, (*ctx, eqn), steps)
-            elif name in _compat.COND:
+            elif kind in _higher_order.CALL_LIKE:
+                outs, out_deps = self._call(_higher_order.body(eqn), ins, in_deps, (*ctx, eqn), steps)
+            elif kind == _higher_order.COND:
                 for branch in _compat.cond_branches(eqn):
                     _, bd = self._call(branch, ins[1:], in_deps[1:], (*ctx, eqn, branch), steps)
                     out_deps = [a or b for a, b in zip(out_deps, bd)] if bd else out_deps
-            elif name in _compat.SCAN:
+            elif kind == _higher_order.SCAN:
                 p = _compat.scan_params(eqn)
                 k, c = p.num_consts, p.num_carry
                 body_ins = ins[:k] + [None] * c + [("step", o[1]) if o and o[0] == "leaf" else None for o in ins[k + c :]]
@@ -272,16 +271,15 @@ class _Analysis:
         every = next((s for s in outs if isinstance(s, Every)), None)
         if every is not None:
             return [every] * len(eqn.invars)
-        if name in _compat.INLINE_CALLS or name in _compat.REMAT or name in _compat.CUSTOM_DERIVATIVES:
-            body = _compat.custom_primal(eqn) if name in _compat.CUSTOM_DERIVATIVES else _compat.call_body(eqn)
-            return self._body(body, outs, (*ctx, eqn))
-        if name in _compat.COND:
+        if _higher_order.kind(eqn) in _higher_order.CALL_LIKE:
+            return self._body(_higher_order.body(eqn), outs, (*ctx, eqn))
+        if _higher_order.kind(eqn) == _higher_order.COND:
             ins: list = [None] * len(eqn.invars)
             for branch in _compat.cond_branches(eqn):
                 got = self._body(branch, outs, (*ctx, eqn, branch))
                 ins[1:] = [_join_plain(a, b) for a, b in zip(ins[1:], got)]
             return ins
-        if name in _compat.SCAN:
+        if _higher_order.kind(eqn) == _higher_order.SCAN:
             return self._scan(eqn, outs, ctx)
         rule = OWNERS.get(name)
         if rule is None or len(outs) != 1 and name not in MULTI:

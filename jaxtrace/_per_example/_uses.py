@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .. import _compat
+from .. import _compat, _higher_order
 from .._module_tags import INPUT_SUFFIX
 from .._tag import is_tag
 
@@ -66,24 +66,24 @@ class _Flows:
         return m
 
     def _equation(self, eqn, ins: list[int]) -> list[int]:
-        name, n_out = eqn.primitive.name, len(eqn.outvars)
+        name, kind, n_out = eqn.primitive.name, _higher_order.kind(eqn), len(eqn.outvars)
         if name == "stop_gradient":  # no derivative flows through it: a frozen leaf's gradient is zero
             return [0] * n_out
-        if name in _compat.SCAN:
+        if kind == _higher_order.SCAN:
             p = _compat.scan_params(eqn)
             return self._loop(p.body, ins, p.num_consts, p.num_carry)
-        if name in _compat.WHILE:
+        if kind == _higher_order.WHILE:
             p = _compat.while_params(eqn)
             body_ins = ins[p.cond_nconsts:]  # (body consts, carry) -> carry; the predicate carries no gradient
             return self._loop(p.body, body_ins, p.body_nconsts, len(body_ins) - p.body_nconsts)
-        if name in _compat.COND:
+        if kind == _higher_order.COND:
             outs = [0] * n_out
             for branch in _compat.cond_branches(eqn):
                 outs = [a | b for a, b in zip(outs, self._call(branch, ins[1:]))]
             return outs
-        if name in _compat.INLINE_CALLS or name in _compat.REMAT:
-            return self._call(_compat.call_body(eqn), ins)
-        bodies = _compat.sub_jaxprs(eqn.params)  # anything else: every output depends on every operand
+        if kind in (_higher_order.CALL, _higher_order.REMAT):
+            return self._call(_higher_order.body(eqn), ins)
+        bodies = _higher_order.bodies(eqn)  # anything else: every output depends on every operand
         m = 0
         for x in ins:
             m |= x

@@ -21,7 +21,8 @@ from flax import nnx
 from .. import stats as jt_stats
 from .._ad import jacrev as _jacrev
 from .._ad import value_and_grad as _value_and_grad
-from .._sites import TagSelection, check_callable
+from .._checks import check_callable
+from .._selection import TagSelection
 from .._stats_option import stat_names
 
 

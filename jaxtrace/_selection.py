@@ -1,0 +1,103 @@
+"""Selection: which sites a call's ``tags=`` asks for, and the refusals it raises for them."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence, Union
+
+import numpy as np
+
+from ._errors import TagError
+from ._sites import Site, site_problem
+
+__all__ = ["TagSelection", "check_tags", "refuse_differentiated", "report_evaluated", "select", "tag_names"]
+
+TagSelection = Union[None, str, Sequence[str], Callable[[str], bool]]
+
+
+def tag_names(sites: Iterable[Site]) -> list[str]:
+    return list(dict.fromkeys(s.name for s in sites))
+
+
+def check_tags(tags: TagSelection) -> None:
+    """Raises a ``TypeError`` if ``tags=`` is none of the accepted forms (the names in a sequence are checked by ``select``)."""
+    if tags is None or isinstance(tags, str) or callable(tags):
+        return
+    if isinstance(tags, (bytes, bytearray, memoryview)):
+        hint = f" Decode it to a str first: tags={bytes(tags).decode(errors='replace')!r}."
+    elif isinstance(tags, (bool, np.bool_)):
+        hint = " Pass tags=None for every tag."
+    elif not isinstance(tags, Iterable):
+        hint = ' For one tag pass its name (tags="h"), for several a list of names (tags=["h", "out"]).'
+    else:
+        return
+    raise TypeError(
+        "tags= must be None (every tag), a tag name, a sequence of names or a predicate on names "
+        f"(name -> bool); got {tags!r} of type {type(tags).__name__}.{hint}"
+    )
+
+
+def select(sites: dict, tags: TagSelection, purpose: str = "reverse") -> list[Site]:
+    """The sites that ``tags=`` asks for; raises for unknown names and sites that cannot serve
+    ``purpose`` (``"read"``: capture; ``"forward"``: jvp, patch; ``"reverse"``: gradients)."""
+    check_tags(tags)
+    names = tag_names(sites.values())
+    if tags is None:
+        wanted = names
+    elif isinstance(tags, str):
+        wanted = [tags]
+    elif callable(tags):
+        wanted = [n for n in names if tags(n)]
+    else:
+        wanted = list(tags)
+        bad = [t for t in wanted if not isinstance(t, str)]
+        if bad:
+            raise TypeError(
+                f"tags= must be None, a name, a sequence of names or a predicate; got {bad[0]!r} "
+                f"of type {type(bad[0]).__name__} in the sequence."
+            )
+    known_names, wanted_names = set(names), set(wanted)
+    unknown = [n for n in wanted if n not in known_names]
+    if unknown:
+        known = ", ".join(repr(n) for n in names) if names else "none"
+        raise TagError(
+            f"No tag named {', '.join(repr(n) for n in unknown)} in this function. "
+            f"Tags found: {known}. Check the name passed to jaxtrace.tag, and that the tagged "
+            "value is computed inside the function being differentiated."
+        )
+    chosen = [s for s in sites.values() if s.name in wanted_names]
+    for site in chosen:
+        problem = site_problem(site, purpose)
+        if problem:
+            raise TagError(problem)
+    return chosen
+
+
+def refuse_differentiated(sites: Iterable[Site], transform: str, change: str, instead: str) -> None:
+    """``transform`` rewrites ``change`` at a tag; a derivative the traced function already took
+    through that tag was formed before, and would not see it: a TagError saying what to write."""
+    for site in sites:
+        if site.differentiated:
+            raise TagError(
+                f"{transform} cannot change the {change} at the tag {site.name!r} (at {site.where}): the function "
+                "takes a derivative through it (jax.grad, jax.vjp, jax.jvp or a jaxtrace gradient inside the "
+                "function), and that derivative was formed before the change applies, so it would not see it. "
+                f"Apply it to the function being differentiated instead: {instead}."
+            )
+
+
+def report_evaluated(evaluated: dict, sites: dict, tags: TagSelection) -> None:
+    """Tags that ``jax.ensure_compile_time_eval`` evaluated away: a ``TagError`` when the call asks
+    for them (by name, ``tags=None`` or a predicate), never a silent drop."""
+    staged = {s.name for s in sites.values()}
+    lost = {n: line for n, line in evaluated.items() if n not in staged}
+    if isinstance(tags, str):
+        tags = [tags]
+    asked = [n for n in lost if tags is None or (tags(n) if callable(tags) else n in tags)]
+    if asked:
+        listed = ", ".join(f"{n!r} (at {lost[n]})" for n in asked)
+        raise TagError(
+            f"The tag {listed} was evaluated under jax.ensure_compile_time_eval(): it is a constant "
+            "computed while tracing, not part of the program, so no gradient, tangent or replacement can "
+            "reach it. Move the jt.tag call out of the ensure_compile_time_eval block, or leave the tag out "
+            "with tags=."
+        )
