@@ -14,12 +14,14 @@ does. One ``jt.vjp(..., with_values=True)`` pass over a model tagged by ``jt.tag
 gives every covered layer's input and output gradient; ``RULES`` says, per module class,
 which ``(a, b)`` factors each parameter gets. A leaf used by several layers (tied weights,
 a module called several times) gets the factors of all its uses, so the cross terms are in
-its norm. Leaves no rule covers are computed with ``jax.vmap(jax.grad)`` for those leaves
-alone (``fallback="vmap"``), or refused (``fallback="error"``).
+its norm. Leaves no rule covers (or whose factors the traced program does not prove exact)
+take the exact path, the pullback of the losses vector against each example's basis vector,
+for those leaves alone (``fallback="vmap"``), or are refused (``fallback="error"``).
 
 The package, one concept a file: ``_factors`` (the factors ``Use`` / ``Index`` and the
-squared-norm arithmetic), ``_rules`` (the per-layer rule registry), ``_plan`` (the model's
-differentiated leaves and which layer uses which), ``_owners`` (which example's loss each
+squared-norm arithmetic), ``_rules`` (the per-layer rules, one function a kind of layer for
+both frameworks), ``_plan`` (the model's differentiated leaves and which layer uses which:
+one plan, a small adapter per framework), ``_owners`` (which example's loss each
 element reaches: the per-primitive rules), ``_proof`` (the factorisation's conditions read
 from the traced program), ``_uses`` (leaves used outside their layers), ``_pass`` (the one
 pass and the norms from it), ``_transforms`` (the public functions).
@@ -28,3 +30,5 @@ pass and the norms from it), ``_transforms`` (the public functions).
 from ._transforms import clip_weights as clip_weights
 from ._transforms import clipped_grad as clipped_grad
 from ._transforms import per_example_norms as per_example_norms
+
+__all__ = ["clip_weights", "clipped_grad", "per_example_norms"]

@@ -1,15 +1,19 @@
 """The plan of a model: its differentiated leaves, and which covered layer uses which.
 
-``plan_for(model)`` tags an equinox or Flax NNX model's covered layers (their inputs and
-outputs), lists its differentiated leaves in the order of its gradients' leaves, and maps
-each covered layer's parameters to those leaves (tied weights and ``eqx.nn.Shared``
-resolved), with the leaf names and owning modules that errors name.
+``plan_for(model)`` tags an equinox or Flax NNX model's covered layers (their inputs,
+outputs and parameters), lists its differentiated leaves in the order of its gradients'
+leaves, and maps each covered layer's parameters to those leaves, with the leaf names and
+owning modules that errors name. The steps are one function for both frameworks; what
+differs is a small adapter each (``_Equinox``, ``_Nnx``): the tree the gradients mirror and
+which of its leaves are differentiated, where a layer's parameter sits in it (tied weights
+and ``eqx.nn.Shared`` resolved), how the model is rebuilt from leaves, and (NNX) the state a
+call changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +22,13 @@ from .._module_tags import is_nnx_module, key_name, path_name
 from .._tag_modules import tag_module_calls
 from ._rules import Rule, ensure_rules, rule_for
 
+__all__ = ["Layer", "Plan", "plan_for"]
+
 
 @dataclasses.dataclass
 class Layer:
+    """A covered layer of the model: its path (its tags' name), the module, its rule, and its leaves."""
+
     path: str
     module: Any
     rule: Rule
@@ -29,6 +37,8 @@ class Layer:
 
 @dataclasses.dataclass
 class Plan:
+    """A model's differentiated leaves and covered layers, and the functions that rebuild it from leaves."""
+
     leaves: list  # the differentiated arrays, in the order of the gradients' leaves
     run_model: Callable  # leaves -> the tagged model, to call ``fun`` with
     plain_model: Callable  # leaves -> the untagged model (for the vmap fallback)
@@ -41,14 +51,48 @@ class Plan:
     write_back: Callable = lambda state: None  # that state -> written into the user's model, as nnx.grad does
 
 
-class _Tok:
-    """A stand-in leaf: which position of the flattened model a module's attribute is."""
+def plan_for(model) -> Plan:
+    """The plan of ``model``: its covered layers tagged, its differentiated leaves, which layer uses which.
 
-    def __init__(self, i):
-        self.i = i
+    Args:
+        model: an untagged equinox or Flax NNX module.
 
-    def __repr__(self):
-        return f"_Tok({self.i})"
+    Returns:
+        The ``Plan``.
+
+    Raises:
+        TypeError: if ``model`` is neither.
+    """
+    adapter = _adapter_for(model)
+    ensure_rules(adapter.package)
+    records: list = []
+    tagged = tag_module_calls(model, where=_record(records), inputs=True, params_of=lambda m: rule_for(m).params(m))
+    frame = adapter(model, tagged)
+    diff = [i for i, (_, leaf) in enumerate(frame.flat) if frame.differentiated(leaf)]
+    rank = {i: r for r, i in enumerate(diff)}
+    layers = []
+    for (path, module, rule), where in zip(records, frame.positions(records)):
+        if where is not None:
+            layers.append(Layer(path, module, rule, {attr: rank[i] for attr, i in where.items() if i in rank}))
+    return Plan(
+        leaves=[frame.flat[i][1] for i in diff],
+        layers=layers,
+        names=[frame.name(frame.flat[i][0]) for i in diff],
+        owners=[frame.owner(frame.flat[i][0]) for i in diff],
+        blocked={rank[i] for i in frame.blocked if i in rank},
+        **frame.rebuild(diff),
+    )
+
+
+def _adapter_for(model) -> type:
+    if _is_eqx(model):
+        return _Equinox
+    if _is_nnx(model):
+        return _Nnx
+    raise TypeError(
+        "jaxtrace.per_example_norms and jaxtrace.clipped_grad differentiate an equinox or Flax NNX "
+        f"model, which they tag themselves; got a {type(model).__name__}."
+    )
 
 
 def _is_eqx(model) -> bool:
@@ -64,7 +108,9 @@ def _is_nnx(model) -> bool:
     return isinstance(model, nnx.Module)  # not an nnx.Variable, nnx.State, nnx.Rngs, ...
 
 
-def _record(records):
+def _record(records: list) -> Callable:
+    """A ``where=`` for ``tag_module_calls`` that selects the covered layers and records ``(path, module, rule)``."""
+
     def where(path, module):
         rule = rule_for(module)
         if rule is not None:
@@ -74,26 +120,88 @@ def _record(records):
     return where
 
 
-def _tag(model, records: list):
-    """``model`` with each covered layer's input, output and parameters tagged (the parameters where
-    the layer reads them: ``_proof`` checks they are the leaves)."""
-    return tag_module_calls(model, where=_record(records), inputs=True, params_of=lambda m: rule_for(m).params(m))
+# --- the adapters: what differs between frameworks ---------------------------------
+#
+# Each is built from (model, tagged model) and has: ``package`` (whose rules), ``flat`` (the
+# (path, leaf) pairs of the tree the gradients mirror), ``differentiated(leaf)``, ``name(path)``,
+# ``owner(path)``, ``positions(records)`` (per recorded layer, {attribute: index into flat}, or
+# None where the model holds no such call), ``blocked`` (indices into flat no rule may claim)
+# and ``rebuild(diff)`` (the Plan's functions, given the differentiated indices into flat).
 
 
-def _eqx_plan(model) -> Plan:
+class _Equinox:
+    """Equinox: the gradients mirror the model itself (``eqx.filter_grad``); its inexact arrays are differentiated."""
+
+    package = "equinox"
+
+    def __init__(self, model, tagged):
+        self.model, self.tagged = model, tagged
+        self.flat, treedef = jax.tree_util.tree_flatten_with_path(model)
+        self.alias, self.blocked = _shared_ties(self.flat, treedef)
+
+    @staticmethod
+    def differentiated(leaf) -> bool:
+        import equinox as eqx
+
+        return eqx.is_inexact_array(leaf)
+
+    @staticmethod
+    def name(kp) -> str:
+        return path_name(kp)
+
+    def owner(self, kp) -> tuple[str, str]:
+        return _owner(self.model, kp)
+
+    def positions(self, records) -> list[Optional[dict]]:
+        """The n-th record of a module is its n-th place in the model (a module held twice is two layers)."""
+        ids = {id(m) for _, m, _ in records}
+        found: dict = {}
+        for kp, node in jax.tree_util.tree_flatten_with_path(self.model, is_leaf=lambda x: id(x) in ids)[0]:
+            if id(node) in ids:
+                found.setdefault(id(node), []).append(kp)
+        index = {kp: i for i, (kp, _) in enumerate(self.flat)}
+        seen: dict = {}
+        out: list = []
+        for _, module, rule in records:
+            kps, n = found.get(id(module), []), seen.get(id(module), 0)
+            seen[id(module)] = n + 1
+            if n >= len(kps):
+                out.append(None)
+                continue
+            at = {attr: index.get((*kps[n], jax.tree_util.GetAttrKey(attr))) for attr in rule.params(module)}
+            out.append({attr: self.alias.get(i, i) for attr, i in at.items() if i is not None})
+        return out
+
+    def rebuild(self, diff) -> dict:
+        import equinox as eqx
+
+        tagged_diff, tagged_rest = eqx.partition(self.tagged, eqx.is_inexact_array)
+        tdef = jax.tree_util.tree_structure(tagged_diff)
+        plain_diff, plain_rest = eqx.partition(self.model, eqx.is_inexact_array)
+        pdef = jax.tree_util.tree_structure(plain_diff)
+        return dict(
+            run_model=lambda ls: eqx.combine(jax.tree_util.tree_unflatten(tdef, ls), tagged_rest),
+            plain_model=lambda ls: eqx.combine(jax.tree_util.tree_unflatten(pdef, ls), plain_rest),
+            out=lambda ls: jax.tree_util.tree_unflatten(pdef, ls),
+        )
+
+
+class _Tok:
+    """A stand-in leaf: which position of the flattened model a module's attribute is."""
+
+    def __init__(self, i):
+        self.i = i
+
+    def __repr__(self):
+        return f"_Tok({self.i})"
+
+
+def _shared_ties(flat, treedef) -> tuple[dict, set]:
+    """The leaves ``eqx.nn.Shared`` ties: ``({position: the position it stands for}, {positions left to
+    the fallback})``. At call time Shared's ``where`` nodes become ``get`` nodes; which position each
+    stand-in stands for is found by running ``get`` on tokens."""
     import equinox as eqx
 
-    ensure_rules("equinox")
-    records: list = []
-    tagged = _tag(model, records)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(model)
-    kp_index = {kp: i for i, (kp, _) in enumerate(flat)}
-    inexact = [eqx.is_inexact_array(leaf) for _, leaf in flat]
-    diff_pos = [i for i, d in enumerate(inexact) if d]
-    rank = {i: r for r, i in enumerate(diff_pos)}
-
-    # eqx.nn.Shared ties leaves: at call time `where` nodes become `get` nodes. Find out
-    # which position each stand-in stands for by running it on tokens.
     stand_in = lambda i, leaf: leaf if callable(leaf) else _Tok(i)  # noqa: E731  (Shared's where/get are leaves)
     tokens = jax.tree_util.tree_unflatten(treedef, [stand_in(i, leaf) for i, (_, leaf) in enumerate(flat)])
     alias: dict = {}
@@ -111,46 +219,7 @@ def _eqx_plan(model) -> Plan:
         for s, r in zip(stored, resolved):
             if isinstance(s, _Tok) and isinstance(r, _Tok) and s.i != r.i:
                 alias[s.i] = r.i
-
-    ids = {id(m) for _, m, _ in records}
-    found: dict = {}
-    for kp, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: id(x) in ids)[0]:
-        if id(node) in ids:
-            found.setdefault(id(node), []).append(kp)
-    seen: dict = {}
-    layers = []
-    owners: list = [None] * len(diff_pos)
-    for path, module, rule in records:
-        kps = found.get(id(module), [])
-        n = seen.get(id(module), 0)
-        seen[id(module)] = n + 1
-        if n >= len(kps):
-            continue
-        leaves = {}
-        for attr in rule.params(module):
-            i = kp_index.get((*kps[n], jax.tree_util.GetAttrKey(attr)))
-            i = alias.get(i, i)
-            if i is not None and i in rank:
-                leaves[attr] = rank[i]
-        layers.append(Layer(path, module, rule, leaves))
-    for i, (kp, _) in enumerate(flat):
-        if i in rank:
-            owners[rank[i]] = _owner(model, kp)
-
-    diff, nondiff = eqx.partition(tagged, eqx.is_inexact_array)
-    ddef = jax.tree_util.tree_structure(diff)
-    plain_diff, plain_nondiff = eqx.partition(model, eqx.is_inexact_array)
-    pdef = jax.tree_util.tree_structure(plain_diff)
-    return Plan(
-        leaves=jax.tree_util.tree_leaves(diff),
-        run_model=lambda ls: eqx.combine(jax.tree_util.tree_unflatten(ddef, ls), nondiff),
-        plain_model=lambda ls: eqx.combine(jax.tree_util.tree_unflatten(pdef, ls), plain_nondiff),
-        out=lambda ls: jax.tree_util.tree_unflatten(pdef, ls),
-        layers=layers,
-        names=[path_name(flat[i][0]) for i in diff_pos],
-        owners=owners,
-        blocked={rank[i] for i in blocked if i in rank},
-    )
+    return alias, blocked
 
 
 def _owner(model, kp):
@@ -174,85 +243,77 @@ def _owner(model, kp):
     return owner
 
 
-def _nnx_plan(model) -> Plan:
-    from flax import nnx
+class _Nnx:
+    """Flax NNX: the gradients mirror the model's ``nnx.Param`` state (``nnx.grad``); its inexact leaves are
+    differentiated, and the other state a call changes (RNG counts, statistics) is written back."""
 
-    ensure_rules("nnx")
-    records: list = []
-    tagged = _tag(model, records)
+    package = "flax"
 
-    def state_path(kp):
-        keys = [k.key for k in kp if isinstance(k, jax.tree_util.DictKey)]
-        return tuple(keys)
+    def __init__(self, model, tagged):
+        from flax import nnx
 
-    graphdef, params, rest = nnx.split(tagged, nnx.Param, ...)
-    flat, pdef = jax.tree_util.tree_flatten_with_path(params)
-    diff_pos = [i for i, (_, leaf) in enumerate(flat) if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
-    rank = {i: r for r, i in enumerate(diff_pos)}
-    index = {state_path(kp): i for i, (kp, _) in enumerate(flat)}
-    var_path: dict = {}
-    modules: dict = {}
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Variable):
-            var_path.setdefault(id(node), tuple(path))
-        elif isinstance(node, nnx.Module):
-            modules.setdefault(tuple(path), type(node).__name__)
-    layers = []
-    for path, module, rule in records:
-        leaves = {}
-        for attr in rule.params(module):
-            var = getattr(module, attr, None)
-            i = index.get(var_path.get(id(var)))
-            if i is not None and i in rank:
-                leaves[attr] = rank[i]
-        layers.append(Layer(path, module, rule, leaves))
-    owners = []
-    for i in diff_pos:
-        p = state_path(flat[i][0])[:-1]
-        while p and p not in modules:
+        self.model = model
+        self.graphdef, params, self.rest = nnx.split(tagged, nnx.Param, ...)
+        self.flat, self.pdef = jax.tree_util.tree_flatten_with_path(params)
+        self.blocked: set = set()
+        self.var_path: dict = {}  # id of a Variable -> its state path
+        self.modules: dict = {}  # state path of a module -> its class name
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Variable):
+                self.var_path.setdefault(id(node), tuple(path))
+            elif isinstance(node, nnx.Module):
+                self.modules.setdefault(tuple(path), type(node).__name__)
+
+    @staticmethod
+    def differentiated(leaf) -> bool:
+        return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+    @staticmethod
+    def name(kp) -> str:
+        return ".".join(map(str, _state_path(kp)))
+
+    def owner(self, kp) -> tuple[str, str]:
+        p = _state_path(kp)[:-1]
+        while p and p not in self.modules:
             p = p[:-1]
-        owners.append((".".join(map(str, p)), modules.get(p, type(model).__name__)))
+        return (".".join(map(str, p)), self.modules.get(p, type(self.model).__name__))
 
-    plain_graphdef, _, plain_rest = nnx.split(model, nnx.Param, ...)
-    fixed = [leaf for _, leaf in flat]
+    def positions(self, records) -> list[Optional[dict]]:
+        """A layer's parameter is found by its Variable (tied weights are one Variable)."""
+        index = {_state_path(kp): i for i, (kp, _) in enumerate(self.flat)}
+        out = []
+        for _, module, rule in records:
+            at = {attr: index.get(self.var_path.get(id(getattr(module, attr, None)))) for attr in rule.params(module)}
+            out.append({attr: i for attr, i in at.items() if i is not None})
+        return out
 
-    def full(ls):
-        out = list(fixed)
-        for r, i in enumerate(diff_pos):
-            out[i] = ls[r]
-        return jax.tree_util.tree_unflatten(pdef, out)
+    def rebuild(self, diff) -> dict:
+        from flax import nnx
 
-    def out(ls):
-        vals = [None] * len(flat)
-        for r, i in enumerate(diff_pos):
-            vals[i] = ls[r]
-        for i in range(len(flat)):
-            if vals[i] is None:
-                vals[i] = jnp.zeros_like(fixed[i])
-        return jax.tree_util.tree_unflatten(pdef, vals)
+        plain_graphdef, _, plain_rest = nnx.split(self.model, nnx.Param, ...)
+        fixed = [leaf for _, leaf in self.flat]
 
-    return Plan(
-        leaves=[flat[i][1] for i in diff_pos],
-        # The non-parameter state enters each trace as fresh Variables (tree_map rebuilds them), so
-        # that a module may update it there (nnx.Dropout's RNG count); state_of reads it back.
-        run_model=lambda ls: nnx.merge(graphdef, full(ls), jax.tree_util.tree_map(lambda x: x, rest)),
-        plain_model=lambda ls: nnx.merge(plain_graphdef, full(ls), jax.tree_util.tree_map(lambda x: x, plain_rest)),
-        out=out,
-        layers=layers,
-        names=[".".join(map(str, state_path(flat[i][0]))) for i in diff_pos],
-        owners=owners,
-        blocked=set(),
-        state_of=lambda m: nnx.split(m, nnx.Param, ...)[2],
-        write_back=lambda state: nnx.update(model, state),
-    )
+        def params(ls, base):
+            out = list(base)
+            for r, i in enumerate(diff):
+                out[i] = ls[r]
+            return out
+
+        full = lambda ls: jax.tree_util.tree_unflatten(self.pdef, params(ls, fixed))  # noqa: E731
+        blank = [None] * len(fixed)
+        return dict(
+            # The non-parameter state enters each trace as fresh Variables (tree_map rebuilds them), so
+            # that a module may update it there (nnx.Dropout's RNG count); state_of reads it back.
+            run_model=lambda ls: nnx.merge(self.graphdef, full(ls), jax.tree_util.tree_map(lambda x: x, self.rest)),
+            plain_model=lambda ls: nnx.merge(plain_graphdef, full(ls), jax.tree_util.tree_map(lambda x: x, plain_rest)),
+            out=lambda ls: jax.tree_util.tree_unflatten(
+                self.pdef, [jnp.zeros_like(f) if v is None else v for v, f in zip(params(ls, blank), fixed)]
+            ),
+            state_of=lambda m: nnx.split(m, nnx.Param, ...)[2],
+            write_back=lambda state: nnx.update(self.model, state),
+        )
 
 
-def plan_for(model) -> Plan:
-    if _is_eqx(model):
-        return _eqx_plan(model)
-    if _is_nnx(model):
-        return _nnx_plan(model)
-    raise TypeError(
-        "jaxtrace.per_example_norms and jaxtrace.clipped_grad differentiate an equinox or Flax NNX "
-        f"model, which they tag themselves; got a {type(model).__name__}."
-    )
+def _state_path(kp) -> tuple:
+    """An NNX state path (its dict keys) from a pytree path into an ``nnx.State``."""
+    return tuple(k.key for k in kp if isinstance(k, jax.tree_util.DictKey))

@@ -1,14 +1,18 @@
-"""The per-layer rules: ``RULES``, keyed by module class, says which factors each parameter gets.
+"""The per-layer rules: which factors each parameter of a covered module class gets.
 
-``rule_for(module)`` finds a module's rule; ``ensure_rules(framework)`` registers the rules
-for equinox (Linear, Embedding, LayerNorm, RMSNorm, Conv) or Flax NNX (Linear, Embed,
-LayerNorm, RMSNorm, Conv) the first time a model of that framework is planned.
+``RULES`` maps a module class to its ``Rule``; ``rule_for(module)`` finds a module's. Each
+rule is one module-level function per kind of layer (``linear``, ``embedding``, ``norm``,
+``conv``), written once for equinox and Flax NNX: ``@register`` adds it for the classes it
+names, with that framework's attribute names and readers as data. The classes are named by
+their import path and imported by ``ensure_rules(package)`` the first time a model of that
+framework is planned (Flax is optional; its classes are never imported before that).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
+import importlib
 from typing import Any, Callable, Optional
 
 import jax
@@ -16,6 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._factors import HIGHEST, Index, Use
+
+__all__ = ["RULES", "Rule", "conv", "embedding", "ensure_rules", "linear", "norm", "register", "rule_for"]
+
+Ranks = Callable[[Any], Optional[tuple[int, int]]]
+
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
@@ -25,19 +34,78 @@ class Rule:
     them are batch, sequence and repeated-call axes), or ``None`` where this module's
     configuration is not covered. ``factors(module, x, g)`` gets the input ``x`` of shape
     ``(B, L, *input)`` and output gradient ``g`` of shape ``(B, L, *output)`` and returns
-    ``{attribute name: Use}``.
+    ``{attribute name: Use}``. ``names`` are the parameter attributes it covers.
     """
 
-    ranks: Callable[[Any], Optional[tuple[int, int]]]
+    ranks: Ranks
     factors: Callable[[Any, jax.Array, jax.Array], dict[str, Use]]
-    params: Callable[[Any], tuple[str, ...]]
+    names: tuple[str, ...]
+
+    def params(self, module) -> tuple[str, ...]:
+        """The attributes of ``names`` that ``module`` has (an absent bias is left out).
+
+        Args:
+            module: an instance of a class this rule is registered for.
+
+        Returns:
+            The attribute names, in the order of ``names``.
+        """
+        return tuple(n for n in self.names if _has(module, n))
 
 
 RULES: dict[type, Rule] = {}
+_PENDING: dict[str, list[tuple[str, Rule]]] = {}  # package -> (class path, rule), not imported yet
+
+
+def register(*classes: str, ranks: Ranks, weight: str, bias: Optional[str] = "bias", **data) -> Callable:
+    """Registers the decorated factors function for the module classes named by ``classes``.
+
+    Args:
+        *classes: import paths of module classes (``"equinox.nn.Linear"``), imported by
+            ``ensure_rules`` with their package.
+        ranks: ``ranks(module)``, as ``Rule.ranks``.
+        weight: the attribute of the layer's weight (``"weight"``, ``"kernel"``, ``"scale"``).
+        bias: the attribute of its bias, or ``None`` where the layer has none.
+        **data: the framework's other readers and layout, passed on to the function.
+
+    Returns:
+        A decorator that registers ``factors(module, x, g, *, weight, bias, **data)`` and
+        returns it unchanged (so that registrations stack).
+    """
+
+    def add(factors: Callable) -> Callable:
+        names = (weight,) if bias is None else (weight, bias)
+        rule = Rule(ranks, functools.partial(factors, weight=weight, bias=bias, **data), names)
+        for path in classes:
+            _PENDING.setdefault(path.split(".")[0], []).append((path, rule))
+        return factors
+
+    return add
+
+
+def ensure_rules(package: str) -> None:
+    """Imports the classes registered under ``package`` and adds their rules to ``RULES`` (once).
+
+    Args:
+        package: the top-level package of a model's framework, ``"equinox"`` or ``"flax"``.
+
+    Returns:
+        None.
+    """
+    for path, rule in _PENDING.pop(package, ()):
+        module, _, name = path.rpartition(".")
+        RULES[getattr(importlib.import_module(module), name)] = rule
 
 
 def rule_for(module) -> Optional[Rule]:
-    """The rule for ``module``: its class's (or a base's, when ``__call__`` is inherited)."""
+    """The rule for ``module``: its class's (or a base's, when ``__call__`` is inherited).
+
+    Args:
+        module: an equinox or Flax NNX module.
+
+    Returns:
+        The rule, or ``None`` where no rule covers the module's class or its configuration.
+    """
     call = type(module).__call__
     for cls in type(module).__mro__:
         rule = RULES.get(cls)
@@ -46,14 +114,18 @@ def rule_for(module) -> Optional[Rule]:
     return None
 
 
-def _flat(x, rank):
-    """``(B, L, *feat)`` -> ``(B, L * prod(feat[:-?]) ...)``: keep the last ``rank`` axes, flattened to one."""
+# --- shared pieces ------------------------------------------------------------
+
+
+def _has(module, name: Optional[str]) -> bool:
+    """Whether ``module`` has the parameter ``name``: set, and not switched off by ``use_<name>``."""
+    return name is not None and getattr(module, name, None) is not None and bool(getattr(module, "use_" + name, True))
+
+
+def _flat(x):
+    """``(B, L, *feat)`` -> ``(B, L, prod(feat))``."""
     b, l = x.shape[:2]
     return x.reshape(b, l, int(np.prod(x.shape[2:], dtype=int)))
-
-
-def _params(*names):
-    return lambda m: tuple(n for n in names if getattr(m, n, None) is not None)
 
 
 def _as_vectors(x, rank):
@@ -61,171 +133,172 @@ def _as_vectors(x, rank):
     return x.reshape(*x.shape[:2], -1) if rank else x[..., None]
 
 
-def _register_equinox():
+def _with_bias(module, bias, gv, out: dict) -> dict:
+    """``out`` with the bias's factors (the output gradient alone) where ``module`` has one."""
+    if _has(module, bias):
+        out[bias] = Use(gv, None)
+    return out
+
+
+# --- Linear -------------------------------------------------------------------
+
+
+def _linear_ranks(m):
+    """Equinox's ``"scalar"`` features are rank 0; NNX's are integers."""
+    return (0 if m.in_features == "scalar" else 1, 0 if m.out_features == "scalar" else 1)
+
+
+@register("equinox.nn.Linear", ranks=_linear_ranks, weight="weight", out_last=False)
+@register("flax.nnx.Linear", ranks=_linear_ranks, weight="kernel", out_last=True)
+def linear(m, x, g, *, weight, bias, out_last):
+    """Linear: ``sum_k g_k x_k^T``; ``out_last``: the weight is ``(in, out)`` (NNX's kernel), else ``(out, in)``."""
+    ri, ro = _linear_ranks(m)
+    gv, xv = _as_vectors(g, ro), _as_vectors(x, ri)
+    return _with_bias(m, bias, gv, {weight: Use(xv, gv) if out_last else Use(gv, xv)})
+
+
+# --- Embedding ----------------------------------------------------------------
+
+
+@register("equinox.nn.Embedding", ranks=lambda m: (0, 1), weight="weight", bias=None)
+@register("flax.nnx.Embed", ranks=lambda m: (0, 1), weight="embedding", bias=None)
+def embedding(m, x, g, *, weight, bias):
+    """Embedding: the rows the ids select (a one-hot factor) against the output gradient."""
+    return {weight: Use(Index(x.reshape(*x.shape[:2]), m.num_embeddings), g)}
+
+
+# --- LayerNorm, RMSNorm ---------------------------------------------------------
+
+
+def _eqx_norm_ranks(m):
+    r = len(m.shape)
+    return (r, r)
+
+
+def _nnx_norm_ranks(m):
+    """Covered where NNX normalises over, and scales, the last axis alone."""
+
+    def ints(axes):
+        return [a if isinstance(a, int) else None for a in np.atleast_1d(np.array(axes, dtype=object))]
+
+    return (1, 1) if ints(m.reduction_axes) == [-1] and ints(m.feature_axes) == [-1] else None
+
+
+def _eqx_unit(m, weight, bias):
+    """The equinox layer with unit weight and zero bias, applied row by row."""
     import equinox as eqx
 
-    def lin_ranks(m):
-        return (0 if m.in_features == "scalar" else 1, 0 if m.out_features == "scalar" else 1)
-
-    def lin_factors(m, x, g):
-        ri, ro = lin_ranks(m)
-        gv = _as_vectors(g, ro)
-        out = {"weight": Use(gv, _as_vectors(x, ri))}
-        if m.bias is not None:
-            out["bias"] = Use(gv, None)
-        return out
-
-    RULES[eqx.nn.Linear] = Rule(lin_ranks, lin_factors, _params("weight", "bias"))
-
-    def emb_factors(m, x, g):
-        return {"weight": Use(Index(x.reshape(*x.shape[:2]), m.weight.shape[0]), g)}
-
-    RULES[eqx.nn.Embedding] = Rule(lambda m: (0, 1), emb_factors, _params("weight"))
-
-    def norm_rule(cls):
-        def ranks(m):
-            r = len(m.shape)
-            return (r, r)
-
-        def factors(m, x, g):
-            out = {}
-            gv = _flat(g, 0)
-            if m.use_weight:
-                unit = eqx.tree_at(lambda n: n.weight, m, jnp.ones_like(m.weight))
-                if m.use_bias:
-                    unit = eqx.tree_at(lambda n: n.bias, unit, jnp.zeros_like(m.bias))
-                b, l = x.shape[:2]
-                xhat = jax.vmap(unit)(x.reshape(b * l, *x.shape[2:])).reshape(x.shape)
-                out["weight"] = Use(gv * _flat(xhat, 0).astype(gv.dtype), None)
-            if m.use_bias:
-                out["bias"] = Use(gv, None)
-            return out
-
-        RULES[cls] = Rule(ranks, factors, _params("weight", "bias"))
-
-    norm_rule(eqx.nn.LayerNorm)
-    norm_rule(eqx.nn.RMSNorm)
-
-    def conv_ranks(m):
-        if m.groups != 1 or m.padding_mode != "ZEROS":
-            return None
-        return (m.num_spatial_dims + 1, m.num_spatial_dims + 1)
-
-    def conv_factors(m, x, g):
-        b, l = x.shape[:2]
-        xs = x.reshape(b * l, *x.shape[2:])
-        patches = jax.lax.conv_general_dilated_patches(
-            xs, m.kernel_size, m.stride, m.padding, rhs_dilation=m.dilation, precision=HIGHEST
-        )  # (N, in * prod(k), *out_spatial), features ordered (in, *k) as the weight's
-        p = patches.reshape(b, l, patches.shape[1], -1)
-        bfac = jnp.moveaxis(p, 2, 3).reshape(b, -1, patches.shape[1])
-        gv = jnp.moveaxis(g.reshape(b, l, g.shape[2], -1), 2, 3).reshape(b, -1, g.shape[2])
-        out = {"weight": Use(gv, bfac.astype(gv.dtype))}
-        if m.use_bias:
-            out["bias"] = Use(gv, None)
-        return out
-
-    RULES[eqx.nn.Conv] = Rule(conv_ranks, conv_factors, _params("weight", "bias"))
+    unit = eqx.tree_at(lambda n: getattr(n, weight), m, jnp.ones_like(getattr(m, weight)))
+    if _has(m, bias):
+        unit = eqx.tree_at(lambda n: getattr(n, bias), unit, jnp.zeros_like(getattr(m, bias)))
+    return jax.vmap(unit)
 
 
-def _register_nnx():
+def _nnx_unit(m, weight, bias):
+    """The NNX layer with unit scale and zero bias (it normalises rows itself)."""
     from flax import nnx
 
-    def lin_factors(m, x, g):
-        gv = _flat(g, 1)
-        out = {"kernel": Use(_flat(x, 1), gv)}
-        if m.bias is not None:
-            out["bias"] = Use(gv, None)
-        return out
+    graphdef, state = nnx.split(m)
+    unit = jax.tree.map(lambda v: v, state)
+    unit[weight] = jax.tree.map(jnp.ones_like, state[weight])
+    if _has(m, bias):
+        unit[bias] = jax.tree.map(jnp.zeros_like, state[bias])
+    return nnx.merge(graphdef, unit)
 
-    RULES[nnx.Linear] = Rule(lambda m: (1, 1), lin_factors, _params("kernel", "bias"))
 
-    def emb_factors(m, x, g):
-        return {"embedding": Use(Index(x.reshape(*x.shape[:2]), m.num_embeddings), g)}
-
-    RULES[nnx.Embed] = Rule(lambda m: (0, 1), emb_factors, _params("embedding"))
-
-    def last_axis(m):
-        axes = [a if isinstance(a, int) else None for a in np.atleast_1d(np.array(m.reduction_axes, dtype=object))]
-        feats = [a if isinstance(a, int) else None for a in np.atleast_1d(np.array(m.feature_axes, dtype=object))]
-        return axes == [-1] and feats == [-1]
-
-    def norm_rule(cls, scale_attr, bias_attr):
-        def factors(m, x, g):
-            out = {}
-            gv = _flat(g, 1)
-            if getattr(m, scale_attr, None) is not None:
-                graphdef, state = nnx.split(m)
-                unit = jax.tree.map(lambda v: v, state)
-                unit[scale_attr] = jax.tree.map(jnp.ones_like, state[scale_attr])
-                if getattr(m, bias_attr or "", None) is not None:
-                    unit[bias_attr] = jax.tree.map(jnp.zeros_like, state[bias_attr])
-                b, l = x.shape[:2]
-                xhat = nnx.merge(graphdef, unit)(x.reshape(b * l, x.shape[-1])).reshape(x.shape)
-                out[scale_attr] = Use(gv * _flat(xhat, 1).astype(gv.dtype), None)
-            if bias_attr and getattr(m, bias_attr, None) is not None:
-                out[bias_attr] = Use(gv, None)
-            return out
-
-        RULES[cls] = Rule(lambda m: (1, 1) if last_axis(m) else None, factors, _params(scale_attr, bias_attr or scale_attr))
-
-    norm_rule(nnx.LayerNorm, "scale", "bias")
-    norm_rule(nnx.RMSNorm, "scale", None)
-
-    def conv_padding(m):
-        pad = m.padding
-        if isinstance(pad, str):
-            return pad.upper() if pad.upper() in ("SAME", "VALID") else None
-        d = len(m.kernel_size)
-        if isinstance(pad, int):
-            return [(pad, pad)] * d
-        try:
-            pairs = [(p, p) if isinstance(p, int) else tuple(p) for p in pad]
-        except TypeError:
-            return None
-        return pairs if len(pairs) == d and all(len(p) == 2 for p in pairs) else None
-
-    def conv_ranks(m):
-        if m.feature_group_count != 1 or m.mask is not None or conv_padding(m) is None:
-            return None
-        return (len(m.kernel_size) + 1, len(m.kernel_size) + 1)
-
-    def bcast(v, d):
-        if v is None:
-            return (1,) * d
-        return (v,) * d if isinstance(v, int) else tuple(v)
-
-    def conv_factors(m, x, g):
-        d = len(m.kernel_size)
+@register("equinox.nn.LayerNorm", "equinox.nn.RMSNorm", ranks=_eqx_norm_ranks, weight="weight", unit=_eqx_unit)
+@register("flax.nnx.LayerNorm", "flax.nnx.RMSNorm", ranks=_nnx_norm_ranks, weight="scale", unit=_nnx_unit)
+def norm(m, x, g, *, weight, bias, unit):
+    """LayerNorm, RMSNorm: the scale's factor is ``g * xhat`` (``xhat`` from ``unit``: the layer with unit
+    scale and no bias), the bias's ``g``; both elementwise, so one factor each."""
+    out = {}
+    gv = _flat(g)
+    if _has(m, weight):
         b, l = x.shape[:2]
-        xs = jnp.moveaxis(x.reshape(b * l, *x.shape[2:]), -1, 1)  # NHWC -> NCHW
-        patches = jax.lax.conv_general_dilated_patches(
-            xs,
-            m.kernel_size,
-            bcast(m.strides, d),
-            conv_padding(m),
-            lhs_dilation=bcast(m.input_dilation, d),
-            rhs_dilation=bcast(m.kernel_dilation, d),
-            precision=HIGHEST,
-        )  # (N, in * prod(k), *out_spatial), features ordered (in, *k)
-        cin = x.shape[-1]
-        p = patches.reshape(b, l, cin, *m.kernel_size, -1)
-        p = jnp.moveaxis(p, 2, 2 + d)  # features (*k, in), as the kernel (*k, in, out)
-        bfac = jnp.moveaxis(p.reshape(b, l, cin * math.prod(m.kernel_size), -1), 2, 3)
-        bfac = bfac.reshape(b, -1, bfac.shape[-1])
+        xhat = unit(m, weight, bias)(x.reshape(b * l, *x.shape[2:])).reshape(x.shape)
+        out[weight] = Use(gv * _flat(xhat).astype(gv.dtype), None)
+    return _with_bias(m, bias, gv, out)
+
+
+# --- Conv ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """A convolution's geometry, as ``lax.conv_general_dilated_patches`` takes it."""
+
+    kernel: tuple
+    strides: Any
+    padding: Any
+    lhs_dilation: Any
+    rhs_dilation: Any
+
+
+def _eqx_window(m) -> Optional[_Window]:
+    if m.groups != 1 or m.padding_mode != "ZEROS":
+        return None
+    return _Window(m.kernel_size, m.stride, m.padding, None, m.dilation)
+
+
+def _nnx_window(m) -> Optional[_Window]:
+    padding = _nnx_padding(m)
+    if m.feature_group_count != 1 or m.mask is not None or padding is None:
+        return None
+    d = len(m.kernel_size)
+    dilations = _per_axis(m.input_dilation, d), _per_axis(m.kernel_dilation, d)
+    return _Window(m.kernel_size, _per_axis(m.strides, d), padding, *dilations)
+
+
+def _nnx_padding(m):
+    """NNX's ``padding`` as ``lax`` takes it, or ``None`` where it is not covered (``"CIRCULAR"``, ...)."""
+    pad = m.padding
+    if isinstance(pad, str):
+        return pad.upper() if pad.upper() in ("SAME", "VALID") else None
+    d = len(m.kernel_size)
+    if isinstance(pad, int):
+        return [(pad, pad)] * d
+    try:
+        pairs = [(p, p) if isinstance(p, int) else tuple(p) for p in pad]
+    except TypeError:
+        return None
+    return pairs if len(pairs) == d and all(len(p) == 2 for p in pairs) else None
+
+
+def _per_axis(v, d):
+    if v is None:
+        return (1,) * d
+    return (v,) * d if isinstance(v, int) else tuple(v)
+
+
+def _conv_ranks(m, *, window):
+    w = window(m)
+    return None if w is None else (len(w.kernel) + 1, len(w.kernel) + 1)
+
+
+_eqx_conv_ranks = functools.partial(_conv_ranks, window=_eqx_window)
+_nnx_conv_ranks = functools.partial(_conv_ranks, window=_nnx_window)
+
+
+@register("equinox.nn.Conv", ranks=_eqx_conv_ranks, weight="weight", window=_eqx_window, out_last=False)
+@register("flax.nnx.Conv", ranks=_nnx_conv_ranks, weight="kernel", window=_nnx_window, out_last=True)
+def conv(m, x, g, *, weight, bias, window, out_last):
+    """Conv: each output position's input patch against its output gradient. ``out_last``: channels
+    last, the kernel ``(*k, in, out)`` (NNX); else channels first, the weight ``(out, in, *k)``."""
+    w = window(m)
+    b, l = x.shape[:2]
+    xs = x.reshape(b * l, *x.shape[2:])
+    if out_last:
+        xs = jnp.moveaxis(xs, -1, 1)  # NHWC -> NCHW
+    patches = jax.lax.conv_general_dilated_patches(
+        xs, w.kernel, w.strides, w.padding, lhs_dilation=w.lhs_dilation, rhs_dilation=w.rhs_dilation, precision=HIGHEST
+    )  # (N, in * prod(k), *out_spatial), features ordered (in, *k)
+    feats = patches.shape[1]
+    p = patches.reshape(b, l, feats, -1)
+    if out_last:  # features (*k, in), as the kernel
+        d = len(w.kernel)
+        p = jnp.moveaxis(p.reshape(b, l, xs.shape[1], *w.kernel, -1), 2, 2 + d).reshape(b, l, feats, -1)
         gv = g.reshape(b, -1, g.shape[-1])
-        out = {"kernel": Use(bfac.astype(gv.dtype), gv)}
-        if m.bias is not None:
-            out["bias"] = Use(gv, None)
-        return out
-
-    RULES[nnx.Conv] = Rule(conv_ranks, conv_factors, _params("kernel", "bias"))
-
-
-_REGISTERED: set = set()
-
-
-def ensure_rules(framework: str) -> None:
-    if framework not in _REGISTERED:
-        {"equinox": _register_equinox, "nnx": _register_nnx}[framework]()
-        _REGISTERED.add(framework)
+    else:
+        gv = jnp.moveaxis(g.reshape(b, l, g.shape[2], -1), 2, 3).reshape(b, -1, g.shape[2])
+    bfac = jnp.moveaxis(p, 2, 3).reshape(b, -1, feats).astype(gv.dtype)
+    return _with_bias(m, bias, gv, {weight: Use(bfac, gv) if out_last else Use(gv, bfac)})

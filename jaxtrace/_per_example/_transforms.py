@@ -10,6 +10,9 @@ import jax.numpy as jnp
 
 from ._pass import Call
 
+__all__ = ["clip_weights", "clipped_grad", "per_example_norms"]
+
+
 def per_example_norms(
     fun: Callable, argnums: int = 0, *, fallback: str = "vmap", total: bool = False, has_aux: bool = False
 ) -> Callable:
@@ -120,7 +123,22 @@ def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "
 
 
 def clip_weights(sq_norms: jax.Array, max_norm) -> jax.Array:
-    """``min(1, max_norm / sqrt(sq_norms))``, with finite derivatives at zero norms."""
+    """The DP-SGD clipping weights ``min(1, max_norm / sqrt(sq_norms))``, with finite derivatives at zero norms.
+
+    Args:
+        sq_norms: each example's squared gradient norm, shape ``(B,)``.
+        max_norm: the clipping bound; may be traced under ``jax.jit``.
+
+    Returns:
+        The weights, shape ``(B,)``, in ``sq_norms``' dtype: 1 where the norm is at most
+        ``max_norm``, else ``max_norm / norm``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxtrace._per_example import clip_weights
+        >>> clip_weights(jnp.array([0.0, 1.0, 16.0]), 2.0).tolist()
+        [1.0, 1.0, 0.5]
+    """
     max_norm = jnp.asarray(max_norm, sq_norms.dtype)
     over = sq_norms > max_norm * max_norm
     safe = jnp.where(over, sq_norms, 1.0)

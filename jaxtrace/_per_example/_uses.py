@@ -22,6 +22,8 @@ from .. import _compat, _higher_order
 from .._module_tags import INPUT_SUFFIX
 from .._tag import is_tag
 
+__all__ = ["used_outside"]
+
 
 def used_outside(jaxpr, n_leaves: int, owned: dict[str, set[int]]) -> set[int]:
     """Indices of the leaves (``jaxpr``'s first ``n_leaves`` invars) on which the jaxpr's first output
