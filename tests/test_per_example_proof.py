@@ -415,7 +415,7 @@ from jax.sharding import PartitionSpec as P
 import jaxtrace as jt
 
 jax.config.update("jax_enable_x64", True)
-mesh = jax.make_mesh((8,), ("b",))
+mesh = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
 model = eqx.nn.MLP(3, 2, 5, 2, key=jax.random.key(0))
 x, y = jax.random.normal(jax.random.key(1), (16, 3)), jax.random.normal(jax.random.key(2), (16, 2))
 
@@ -423,9 +423,10 @@ def closed(model, x, y):  # the model closed over by the shard_map body
     body = lambda x, y: jnp.sum((jax.vmap(model)(x) - y) ** 2, axis=-1)
     return jax.shard_map(body, mesh=mesh, in_specs=(P("b"), P("b")), out_specs=P("b"))(x, y)
 
-def passed(model, x, y):  # the model passed in, replicated
-    body = lambda m, x, y: jnp.sum((jax.vmap(m)(x) - y) ** 2, axis=-1)
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("b"), P("b")), out_specs=P("b"))(model, x, y)
+def passed(model, x, y):  # the model's arrays passed in, replicated
+    arrays, rest = eqx.partition(model, eqx.is_array)
+    body = lambda a, x, y: jnp.sum((jax.vmap(eqx.combine(a, rest))(x) - y) ** 2, axis=-1)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("b"), P("b")), out_specs=P("b"))(arrays, x, y)
 
 out = {}
 for name, losses in (("closed", closed), ("passed", passed)):
