@@ -264,3 +264,208 @@ def test_nnx_state_updated_in_the_call_is_written_back():
 
     with pytest.raises(jt.TagError, match="independent examples"):  # BatchNorm in training mode
         jt.per_example_norms(losses)(Net(nnx.Rngs(0), training=True), X, Y)
+
+
+# --- freezing with eqx.partition ---------------------------------------------------
+
+
+def frozen_spec(model, where):
+    """``eqx.partition``'s filter: the inexact arrays, except every leaf under ``where(model)``."""
+    spec = jax.tree_util.tree_map(eqx.is_inexact_array, model)
+    return eqx.tree_at(where, spec, replace_fn=lambda node: jax.tree_util.tree_map(lambda _: False, node))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_freezing_with_eqx_partition(jit):
+    """`params, static = eqx.partition(model, spec)` and `fun(params, static, ...)` calling `eqx.combine`:
+    the static half is tagged like the params half, so the two combine; the frozen leaves are not
+    differentiated and the trained ones stay on factors."""
+
+    def losses(params, static, x, y):
+        return mse(eqx.combine(params, static), x, y)
+
+    for where in (lambda m: m.layers[0], lambda m: m.layers[1].weight):
+        params, static = eqx.partition(MLP, frozen_spec(MLP, where))
+        check(losses, params, static, X, Y, jit=jit)
+        check(lambda p, x, y, *, static: losses(p, static, x, y), params, X, Y, static=static, jit=jit)  # a keyword
+
+    gpt = GPT(KEYS[0])  # position ids inside the model, the token embedding frozen
+    params, static = eqx.partition(gpt, frozen_spec(gpt, lambda m: m.tok))
+    check(lambda p, s, ids: lm_losses(eqx.combine(p, s), ids), params, static, IDS, jit=jit)
+    # a LayerNorm's scale frozen, its bias trained: the rule reads the scale, so the bias takes the exact path
+    params, static = eqx.partition(gpt, frozen_spec(gpt, lambda m: m.ln.weight))
+    check(lambda p, s, ids: lm_losses(eqx.combine(p, s), ids), params, static, IDS, jit=jit, on_factors=False)
+
+
+def test_freezing_with_eqx_partition_in_a_closure_says_what_to_do():
+    params, static = eqx.partition(MLP, frozen_spec(MLP, lambda m: m.layers[0]))
+    for combine in (lambda p: eqx.combine(p, static), lambda p: eqx.combine(static, p)):
+        with pytest.raises(ValueError, match="pass `static` to `fun` as an argument"):
+            jt.per_example_norms(lambda p, x, y: mse(combine(p), x, y))(params, X, Y)
+
+
+# --- examples that interact through a second call of the model ---------------------
+
+
+def exact_or_refused(losses_fn, model, *args):
+    """The definition's numbers (jit and not, norms and clipped sum), or the interaction TagError."""
+    try:
+        jt.per_example_norms(losses_fn)(model, *args)
+    except jt.TagError as e:
+        assert "losses[i] depends on example j != i through" in str(e), str(e)
+        return "refused"
+    for jit in (False, True):
+        check(losses_fn, model, *args, jit=jit, on_factors=False)
+    return "exact"
+
+
+WIDE = eqx.nn.MLP(3, 3, 5, 2, key=KEYS[3])  # outputs as wide as inputs: the model can be called on them
+PERM = jnp.asarray((np.arange(B) + 1) % B)
+
+
+def sq_err(out, y):
+    return jnp.sum((out - y[:, :1]) ** 2, axis=-1)
+
+
+def second_call(mix, own_loss=False):
+    """The model called on ``x``, then again on ``mix(x, first outputs)``; with ``own_loss`` the first
+    outputs also enter each example's loss directly."""
+
+    def losses(m, x, y):
+        out = jax.vmap(m)(x)
+        second = sq_err(jax.vmap(m)(mix(x, out)), y)
+        return second + sq_err(out, y) if own_loss else second
+
+    return losses
+
+
+def shift(out):  # examples moved down by one with lax.pad (low 1, high -1): the size is kept
+    return jax.lax.pad(out, 0.0, ((1, -1, 0), (0, 0, 0)))
+
+
+SECOND_CALLS = {
+    # the model applied again to its inputs scaled by, or centred with, a batch statistic of its first outputs
+    "batch statistic": second_call(lambda x, out: x * (1 + jnp.mean(out))),
+    "batch statistic and own loss": second_call(lambda x, out: x - jnp.mean(out, axis=0), own_loss=True),
+    # one example's output fed into another example's call
+    "rolled outputs": second_call(lambda x, out: x + jnp.roll(out, 1, axis=0)),
+    "rolled outputs and own loss": second_call(lambda x, out: x + jnp.roll(out, 1, axis=0), own_loss=True),
+    "permuted outputs": second_call(lambda x, out: x + out[PERM]),
+    "permuted outputs and own loss": second_call(lambda x, out: out[PERM], own_loss=True),
+    "padded shift": lambda m, x, y: sq_err(shift(jax.vmap(m)(x)), y),
+    "padded shift, second call": second_call(lambda x, out: shift(out)),
+}
+
+
+@pytest.mark.parametrize("name", list(SECOND_CALLS))
+def test_examples_interacting_through_a_second_call_are_exact_or_refused(name):
+    """Never a silent number: the definition's, or the interaction TagError. Where a value is both one
+    example's and (through the statistic or the permutation) every example's, it is refused."""
+    got = exact_or_refused(SECOND_CALLS[name], WIDE, X, Y)
+    if name in ("batch statistic and own loss", "permuted outputs and own loss"):
+        assert got == "refused"
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_shared_output_meeting_the_examples_at_the_top_and_inside_a_call(jit):
+    """A position embedding added at the top level and also read inside a `jit` body whose other output
+    is unused: both places reach the losses, and each example's gradient at the embedding is the sum
+    of both (on factors; the top-level place alone would be silently short)."""
+
+    class Twice(GPT):
+        def __call__(self, ids):
+            pos = jax.vmap(self.pos)(jnp.arange(ids.shape[0]))
+            h = jax.vmap(self.tok)(ids) + pos
+            _, h = jax.jit(lambda h, p: (2.0 * p, h * p))(h, pos)
+            return jax.vmap(self.head)(jnp.tanh(jax.vmap(self.lin)(jax.vmap(self.ln)(h))))
+
+    check(lm_losses, Twice(KEYS[0]), IDS, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("where", ["checkpoint", "jit", "matmul", "matmul_lhs", "scan"])
+def test_shared_output_meeting_the_examples_inside_a_body_or_through_a_matmul(jit, where):
+    """A shared layer output (a position embedding) that meets the examples inside a `checkpoint` or
+    `jit` body, or through a matrix product with a per-example operand (either side): on factors;
+    inside a `lax.scan` body: the exact path. The definition's numbers either way."""
+
+    class Meet(GPT):
+        def __call__(self, ids):
+            pos = jax.vmap(self.pos)(jnp.arange(ids.shape[0]))
+            tok = jax.vmap(self.tok)(ids)
+            if where == "matmul":
+                h = tok + jax.nn.softmax(tok @ pos.T, axis=-1) @ tok  # pos meets tok in a dot_general
+            elif where == "matmul_lhs":
+                h = tok + jax.nn.softmax(pos @ tok.T, axis=0).T @ tok  # ... as its left operand
+            elif where == "scan":  # inside a loop body: the exact path
+                h = jax.lax.scan(lambda c, tp: (c + 1.0, tp[0] + tp[1]), 0.0, (tok, pos))[1]
+            else:
+                h = (jax.checkpoint if where == "checkpoint" else jax.jit)(lambda a, b: a + b)(tok, pos)
+            return jax.vmap(self.head)(jnp.tanh(jax.vmap(self.lin)(jax.vmap(self.ln)(h))))
+
+    check(lm_losses, Meet(KEYS[0]), IDS, jit=jit, on_factors=where != "scan")
+
+
+# --- a loss computed in shard_map over the batch -------------------------------------
+
+SHARD_MAP_CHECK = r"""
+import json, os, sys
+import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import jaxtrace as jt
+
+jax.config.update("jax_enable_x64", True)
+mesh = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+model = eqx.nn.MLP(3, 2, 5, 2, key=jax.random.key(0))
+x, y = jax.random.normal(jax.random.key(1), (16, 3)), jax.random.normal(jax.random.key(2), (16, 2))
+
+def closed(model, x, y):  # the model closed over by the shard_map body
+    body = lambda x, y: jnp.sum((jax.vmap(model)(x) - y) ** 2, axis=-1)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("b"), P("b")), out_specs=P("b"))(x, y)
+
+def passed(model, x, y):  # the model's arrays passed in, replicated
+    arrays, rest = eqx.partition(model, eqx.is_array)
+    body = lambda a, x, y: jnp.sum((jax.vmap(eqx.combine(a, rest))(x) - y) ** 2, axis=-1)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("b"), P("b")), out_specs=P("b"))(arrays, x, y)
+
+out = {}
+for name, losses in (("closed", closed), ("passed", passed)):
+    try:
+        diff, static = eqx.partition(model, eqx.is_inexact_array)
+        rows = jax.jacrev(lambda d: losses(eqx.combine(d, static), x, y))(diff)
+        sq_ref = [jnp.sum(r.reshape(16, -1) ** 2, axis=1) for r in jax.tree_util.tree_leaves(rows)]
+        w = jnp.minimum(1.0, 0.5 / jnp.sqrt(sum(sq_ref)))
+        clipped_ref = [jnp.tensordot(w, r, 1) for r in jax.tree_util.tree_leaves(rows)]
+        for wrap in (eqx.filter_jit, lambda f: f):
+            _, sq = wrap(jt.per_example_norms(losses))(model, x, y)
+            for a, e in zip(jax.tree_util.tree_leaves(sq), sq_ref, strict=True):
+                np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+            _, clipped = wrap(jt.clipped_grad(losses, 0.5))(model, x, y)
+            for a, e in zip(jax.tree_util.tree_leaves(clipped), clipped_ref, strict=True):
+                np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+        out[name] = "ok"
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        out[name] = traceback.format_exc()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.long  # a subprocess with 8 CPU devices: JAX's start-up and compiles take over 10 s
+def test_losses_in_shard_map_over_the_batch_are_exact():
+    """The per-example losses computed in `jax.shard_map` over the batch (8 devices, 2 examples each),
+    the model closed over or passed in replicated: the definition's norms and clipped sum."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", SHARD_MAP_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    for name, outcome in json.loads(lines[-1]).items():
+        assert outcome == "ok", f"{name}:\n{outcome}"

@@ -7,8 +7,10 @@ uncovered ones (a raw parameter added, multiplied or matmul'd; a custom module),
 *class*: how a DP-SGD user calls it (``jax.vmap(model)``, position ids ``arange(T)`` into an
 Embedding inside the model, a learned ``(T, d)`` table, a layer called twice or at two
 shapes, a ``lax.scan`` over a ``filter_vmap``-built stack, ``jax.checkpoint``/``filter_jit``
-inside, ties, transformed weights, negative ids, mixed dtypes, batch layouts) or an
-*interacting* reduction over the batch (centring, BatchNorm-like, in-batch contrastive).
+inside, ties, transformed weights, freezing with ``eqx.partition``, negative ids, mixed dtypes,
+batch layouts) or an *interacting* reduction over the batch (centring, BatchNorm-like, in-batch
+contrastive, a second call of the model on a batch statistic of its first outputs or on another
+example's outputs).
 Every program returns losses of shape ``(B,)``.
 
 The oracle is the definition (``tests/per_example_oracle.py``): row ``i`` of ``jax.jacrev`` of
@@ -80,7 +82,11 @@ CLASSES = {
     "batched": Cls("jax.vmap(model) (NNX: model(x)) over covered layers only"),
     "uncovered_array": Cls("a raw parameter added to, multiplying or matmul'd with the activations", variants=("add", "mul", "matmul")),
     "custom_module": Cls("a custom module: its own weights (affine), or its own gate around a covered Linear", variants=("affine", "gated")),
-    "position_ids": Cls("a position Embedding called with jnp.arange(T) inside the model (shared by every example); T == B or not", variants=("T==B", "T!=B")),
+    "position_ids": Cls(
+        "a position Embedding called with jnp.arange(T) inside the model (shared by every example), added (T == B or "
+        "not) or meeting the examples in a matrix product (h @ pos.T)",
+        variants=("T==B", "T!=B", "matmul"),
+    ),
     "shared_table": Cls("a learned (T, d) table fed to a Linear inside the model; T == B or not", variants=("T==B", "T!=B")),
     "repeated": Cls("one Linear called two or three times in a row", variants=("twice", "thrice")),
     "two_shapes": Cls("one Linear called on the tokens (T, d) and on their mean (d,)", refused="called with different shapes"),
@@ -102,6 +108,19 @@ CLASSES = {
     "batch_centring": Cls("outputs (NNX: hidden activations too) centred by their mean over the batch", variants=("output", "hidden"), interacting=True),
     "batch_norm": Cls("BatchNorm-like normalisation over the batch (NNX: also nnx.BatchNorm in training mode)", variants=("manual", "nnx_batchnorm"), interacting=True),
     "contrastive": Cls("an in-batch contrastive (InfoNCE) loss between two views", interacting=True),
+    "second_call": Cls(
+        "the model called again on inputs built from its first outputs: their batch mean (with or without the first "
+        "outputs' own loss), or another example's outputs (jnp.roll, a permutation)",
+        variants=("stat", "stat_and_direct", "roll", "perm"),
+        inputs=("linear",),
+        interacting=True,
+    ),
+    "partitioned": Cls(
+        "freezing with eqx.partition: fun(params, static, x, y) calls eqx.combine(params, static); a whole layer or "
+        "one weight frozen, static passed positionally or as a keyword",
+        frameworks=("eqx",),
+        variants=("layer", "weight", "keyword"),
+    ),
 }
 COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint")
 
@@ -370,6 +389,12 @@ def b_custom_module(kit, p):
 
 def b_position_ids(kit, p):
     p = dataclasses.replace(p, T=p.B) if p.variant == "T==B" else dataclasses.replace(p, T=p.B + 1)
+    if p.variant == "matmul":
+        def middle(parts, h):
+            pos = kit.apply("embed", parts["pos"], jnp.arange(p.T))
+            return h + jax.nn.softmax(h @ pos.T, axis=-1) @ h
+
+        return standard(kit, p, {"pos": kit.layer("embed", p.T, p.d)}, middle)
     return standard(kit, p, {"pos": kit.layer("embed", p.T, p.d)}, lambda parts, h: h + kit.apply("embed", parts["pos"], jnp.arange(p.T)))
 
 
@@ -641,6 +666,39 @@ def b_contrastive(kit, p):
         return -jnp.diagonal(jax.nn.log_softmax(logits, axis=1))
 
     return dataclasses.replace(built, fun=fun, args=(x, x2))
+
+
+def b_second_call(kit, p):
+    built = b_batched(kit, p)
+    x, y = built.args
+
+    def fun(m, x, y):
+        out = kit.run(m, x)  # (B, T, N_OUT)
+        s = jnp.mean(out, axis=-1, keepdims=True)
+        if p.variant in ("stat", "stat_and_direct"):
+            x2 = x * (1.0 + jnp.tanh(jnp.mean(out)))  # a batch statistic of the first outputs
+        elif p.variant == "roll":
+            x2 = x + jnp.roll(s, 1, axis=0)  # example i's second call reads example i - 1's outputs
+        else:
+            x2 = x + s[jnp.asarray((np.arange(x.shape[0]) + 1) % x.shape[0])]  # a permutation (a gather)
+        losses = mse(kit.run(m, x2), y)
+        return losses + mse(out, y) if p.variant == "stat_and_direct" else losses
+
+    return dataclasses.replace(built, fun=fun)
+
+
+def b_partitioned(kit, p):
+    built = b_batched(kit, p)
+    model, fun = built.model, built.fun
+    spec = jax.tree.map(eqx.is_inexact_array, model)
+    if p.variant == "layer":
+        spec = eqx.tree_at(lambda m: m.parts["inp"], spec, replace_fn=lambda node: jax.tree.map(lambda _: False, node))
+    else:
+        spec = eqx.tree_at(lambda m: m.parts["head"].weight, spec, False)
+    params, static = eqx.partition(model, spec)
+    if p.variant == "keyword":
+        return Built(params, lambda m, x, y, *, static: fun(eqx.combine(m, static), x, y), built.args, {"static": static})
+    return Built(params, lambda m, static, x, y: fun(eqx.combine(m, static), x, y), (static, *built.args), {})
 
 
 BUILDERS = {name[2:]: f for name, f in dict(globals()).items() if name.startswith("b_")}

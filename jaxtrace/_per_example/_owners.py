@@ -267,8 +267,8 @@ def _slice(an, eqn, outs, ctx):
 def _pad(an, eqn, outs, ctx):
     where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
     shape = shape_of(eqn.invars[0])
-    if where is None or shape[where[0]] != shape_of(eqn.outvars[0])[where[0]]:
-        return None
+    if where is None or tuple(eqn.params["padding_config"][where[0]]) != (0, 0, 0):
+        return None  # padding along the examples' axis moves them (negative low and positive high padding)
     return [unit(shape, *where), Every("shared", eqn)]
 
 

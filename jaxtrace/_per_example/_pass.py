@@ -13,6 +13,7 @@ basis vector, or a ``TagError`` naming it under ``fallback="error"``.
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +58,27 @@ class Call:
         self.args = list(args)
         self.plan = plan = plan_for(args[argnums])
         paths = {layer.path for layer in plan.layers}
+        self.tagged_args, self.tagged_kwargs = _partition_twins(
+            args[argnums], lambda: plan.run_model(plan.leaves), self.args, kwargs, argnums
+        )
 
         def flat(leaves):
             out, self._out_tree = jax.tree_util.tree_flatten(self._traced(leaves))
             return out
 
-        self.jaxpr, self.consts = _compat.jaxpr_and_consts(jax.make_jaxpr(flat)(list(plan.leaves)))
+        try:
+            self.jaxpr, self.consts = _compat.jaxpr_and_consts(jax.make_jaxpr(flat)(list(plan.leaves)))
+        except (ValueError, TypeError) as e:
+            if "jaxtrace._equinox" not in str(e) and "Custom node type mismatch" not in str(e):
+                raise
+            raise ValueError(
+                "jaxtrace.per_example_norms and jaxtrace.clipped_grad tag the model they are given (argument "
+                f"{argnums} of `fun`) with subclasses of its layers' classes, and `fun` combined it with a pytree "
+                f"of another structure, such as the untagged classes: {e}\nIf `fun` rebuilds the model with "
+                "`eqx.combine(params, static)` "
+                "after `eqx.partition`, pass `static` to `fun` as an argument (`fun(params, static, x, y)`), not "
+                "in a closure: jaxtrace then tags both halves alike."
+            ) from e
         losses_aval = self.jaxpr.outvars[0].aval
         if len(losses_aval.shape) != 1:
             raise ValueError(
@@ -77,7 +93,8 @@ class Call:
                 "clipping bound) need independent examples: compute batch statistics outside `fun` (BatchNorm "
                 "in inference mode, GroupNorm or LayerNorm instead), and give each example a loss of its own."
             )
-        names = set(paths) | {p + INPUT_SUFFIX for p in paths}
+        found = {p for p in paths if p in self.proof.occurrences}  # layers called where the proof reads
+        names = found | {p + INPUT_SUFFIX for p in found}
         self.shared_names = {}
         for k, use in enumerate(self.proof.shared):
             self.shared_names.setdefault(use.path, []).append((f"{use.path}{_SHARED}{k}", use))
@@ -90,9 +107,9 @@ class Call:
 
     def _traced(self, leaves):
         """``(fun's output, the state the model changed)``, the model rebuilt from ``leaves``."""
-        args = list(self.args)
+        args = list(self.tagged_args)
         args[self.argnums] = model = self.plan.run_model(leaves)
-        return self.fun(*args, **self.kwargs), self.plan.state_of(model)
+        return self.fun(*args, **self.tagged_kwargs), self.plan.state_of(model)
 
     def _call_with(self, leaves, model_fn):
         args = list(self.args)
@@ -100,20 +117,39 @@ class Call:
         return self.fun(*args, **self.kwargs)
 
     def _run_program(self, leaves):
-        """The traced program, with each shared layer output tagged where it meets the examples."""
-        at = {(id(use.eqn), use.index): name for uses in self.shared_names.values() for name, use in uses}
+        """The traced program, with each shared layer output tagged where it meets the examples (the
+        calls that hold such a place run inline, so that the tag sits at it)."""
+        at, inline = {}, set()
+        for uses in self.shared_names.values():
+            for name, use in uses:
+                ids = tuple(map(id, use.ctx))
+                at[(*ids, id(use.eqn), use.index)] = name
+                inline.update(ids[: k + 1] for k in range(len(ids)))
+        outs = self._run_jaxpr(self.jaxpr, self.consts, leaves, (), at, inline)
+        return jax.tree_util.tree_unflatten(self._out_tree, outs)
+
+    def _run_jaxpr(self, jaxpr, consts, args, ctx: tuple, at: dict, inline: set) -> list:
         env: dict = {}
-        for v, x in zip((*self.jaxpr.constvars, *self.jaxpr.invars), (*self.consts, *leaves)):
+        for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
             _compat.write(env, v, x)
-        for eqn in self.jaxpr.eqns:
+        ids = tuple(map(id, ctx))
+        for eqn in jaxpr.eqns:
             ins = [_compat.read(env, a) for a in eqn.invars]
-            for i, a in enumerate(ins):
-                name = at.get((id(eqn), i))
-                if name is not None:
-                    ins[i] = _tag(jnp.broadcast_to(a, eqn.outvars[0].aval.shape), name)
-            for v, x in zip(eqn.outvars, bind_equation(eqn, ins)):
+            key = (*ids, id(eqn))
+            met = [(i, at[(*key, i)]) for i in range(len(ins)) if (*key, i) in at]
+            if key in inline:  # a jit or checkpoint body holding a meeting: run it here
+                body, body_consts = _compat.jaxpr_and_consts(_compat.call_body(eqn))
+                outs = self._run_jaxpr(body, body_consts, ins, (*ctx, eqn), at, inline)
+            elif met and eqn.primitive.name == "dot_general":
+                ((i, name),) = met
+                outs = [self._dot_per_example(eqn, ins, i, name, ctx)]
+            else:
+                for i, name in met:
+                    ins[i] = _tag(jnp.broadcast_to(ins[i], eqn.outvars[0].aval.shape), name)
+                outs = bind_equation(eqn, ins)
+            for v, x in zip(eqn.outvars, outs):
                 _compat.write(env, v, x)
-        return jax.tree_util.tree_unflatten(self._out_tree, [_compat.read(env, a) for a in self.jaxpr.outvars])
+        return [_compat.read(env, a) for a in jaxpr.outvars]
 
     @functools.cached_property
     def _dtypes(self) -> list:
@@ -146,10 +182,33 @@ class Call:
             )
         return (x, g, where), None
 
+    def _dot_per_example(self, eqn, ins, index, name, ctx):
+        """``eqn`` (a ``dot_general`` whose operand ``index`` is shared and whose other operand's free
+        axis is the examples') with the shared operand broadcast along a new batch axis, one copy per
+        example, tagged ``name``: the same product, and the tag's cotangent is each example's."""
+        axis, _ = self.proof.axis_at(eqn.outvars[0], self.batch, ctx)
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = ins
+        lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+        rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+        up = lambda dims: tuple(int(d) + 1 for d in dims)  # noqa: E731
+        if index == 1:  # the examples' axis is a free axis of lhs
+            e = lfree[axis - len(lb)]
+            rhs = _tag(jnp.broadcast_to(rhs, (self.batch, *rhs.shape)), name)
+            dims = ((tuple(lc), up(rc)), ((*lb, e), (*up(rb), 0)))
+        else:  # ... of rhs
+            e = rfree[axis - len(lb) - len(lfree)]
+            lhs = _tag(jnp.broadcast_to(lhs, (self.batch, *lhs.shape)), name)
+            dims = ((up(lc), tuple(rc)), ((*up(lb), 0), (*rb, e)))
+        out = jax.lax.dot_general(
+            lhs, rhs, dims, precision=eqn.params.get("precision"), preferred_element_type=eqn.params.get("preferred_element_type")
+        )  # the examples' axis comes right after lb's batch axes: move it back where eqn has it
+        return jnp.moveaxis(out, len(lb), axis)
+
     def _shared_gradient(self, ct, use, shape):
         """Each example's gradient ``(B, *shape)`` at a shared layer output from the cotangent of its
         broadcast where it meets the examples (``use``)."""
-        axis, _ = self.proof.axis_at(use.eqn.outvars[0], self.batch)
+        axis, _ = self.proof.axis_at(use.eqn.outvars[0], self.batch, use.ctx)
         chain = use.chain
 
         def forward(y):
@@ -159,6 +218,8 @@ class Call:
 
         operand_aval = use.eqn.invars[use.index].aval
         back = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, operand_aval.dtype if not chain else chain[0].invars[0].aval.dtype))
+        if use.eqn.primitive.name == "dot_general":  # (B, *operand): each example's cotangent already
+            return jax.vmap(lambda c: back(c.astype(operand_aval.dtype))[0])(ct)
         ct = jnp.moveaxis(ct, axis, 0)  # (B, ...): one example's cotangent each, of the broadcast shape
 
         def one(c):
@@ -224,7 +285,11 @@ class Call:
             factors = {}
             if set(leaves) - stepped:
                 xb, gb = _examples_first(xf, axis, inner, n_lead), _examples_first(g.astype(dt), axis, inner, n_lead)
-                factors = layer.rule.factors(layer.module, xb, gb)
+                try:
+                    factors = layer.rule.factors(layer.module, xb, gb)
+                except (TypeError, AttributeError) as e:  # a parameter the rule reads is frozen away (eqx.partition)
+                    for attr in set(leaves) - stepped:
+                        why[leaves[attr][1]] = f"the rule of its layer {layer.path!r} could not read the layer ({type(e).__name__}: {e})"
             for attr, (kind, i) in leaves.items():
                 item = ("steps", per_step.get(attr)) if attr in stepped else factors.get(attr)
                 if item is None or (attr in stepped and item[1] is None):
@@ -317,6 +382,37 @@ class Call:
         losses, pullback = jax.vjp(losses_of, [fixed[i] for i in missing])
         (rows,) = jax.vmap(pullback)(jnp.eye(self.batch, dtype=losses.dtype))
         return rows
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _partition_twins(model, tagged_model, args: list, kwargs: dict, argnums: int) -> tuple[list, dict]:
+    """``(args, kwargs)`` with each other half of an ``eqx.partition`` of the model (a module of the
+    model's class and pytree structure, ``None`` wherever the model holds a leaf and the other way
+    round) rebuilt with the tagged model's classes, so that ``eqx.combine(params, static)`` inside
+    ``fun`` combines two halves of one tagged model (``tagged_model()``). Nothing else is touched."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None or not isinstance(model, eqx.Module):
+        return args, kwargs
+    plain_def = jax.tree_util.tree_structure(model, is_leaf=_is_none)
+    tagged_def = jax.tree_util.tree_structure(tagged_model(), is_leaf=_is_none)
+    if plain_def == tagged_def:
+        return args, kwargs
+    held = [leaf is not None for leaf in jax.tree_util.tree_leaves(model, is_leaf=_is_none)]
+    cls = type(model)
+
+    def twin(x):
+        if type(x) is not cls or jax.tree_util.tree_structure(x, is_leaf=_is_none) != plain_def:
+            return x
+        leaves = jax.tree_util.tree_leaves(x, is_leaf=_is_none)
+        if any(h and leaf is not None for h, leaf in zip(held, leaves)):
+            return x  # not a complement of the model: leave it as the user passed it
+        return jax.tree_util.tree_unflatten(tagged_def, leaves)
+
+    swap = lambda a: jax.tree_util.tree_map(twin, a, is_leaf=lambda x: type(x) is cls)  # noqa: E731
+    return [a if k == argnums else swap(a) for k, a in enumerate(args)], {k: swap(v) for k, v in kwargs.items()}
 
 
 def _losses_first(out, has_aux):

@@ -23,8 +23,11 @@ reads both from the jaxpr of ``fun(leaves)``, never from shapes:
 - **Shared layer outputs**: a layer applied to a value shared by every example (position
   ids ``arange(T)`` inside ``jax.vmap(model)``) has an output that reaches every loss; it
   meets the examples where an elementwise operation broadcasts it against a per-example
-  value. ``Proof.shared`` lists those places: the pass tags the broadcast value there,
-  which gives each example's gradient at the shared output.
+  value, or a ``dot_general`` contracts it with one (``h @ pos.T``). ``Proof.shared`` lists
+  those places (at the program's top level; a meeting inside a call or loop body is not
+  listed, and the layer's leaves take the exact path): the pass tags the broadcast value
+  there (for a ``dot_general``, the shared operand broadcast along a new batch axis of the
+  product), which gives each example's gradient at the shared output.
 """
 
 from __future__ import annotations
@@ -58,12 +61,15 @@ class Occurrence:
 @dataclasses.dataclass
 class SharedUse:
     """A shared layer output meeting the examples: ``eqn``'s operand ``index`` (a chain of shape
-    equations ``chain`` from the layer's output) is broadcast against per-example operands."""
+    equations ``chain`` from the layer's output) is broadcast against per-example operands
+    (an elementwise ``eqn``) or contracted with one whose free axis is the examples' (a
+    ``dot_general``)."""
 
     path: str
     eqn: Any
     index: int
     chain: list  # equations from the layer's output var to the operand, in order
+    ctx: tuple = ()  # the calls (jit, checkpoint) that hold ``eqn``, outermost first
 
 
 @dataclasses.dataclass
@@ -71,12 +77,12 @@ class Proof:
     occurrences: dict  # layer path -> [Occurrence] in program order
     mixing: Optional[str] = None  # a sentence naming where examples interact (leaf-dependent), or None
     unproven: dict = dataclasses.field(default_factory=dict)  # layer path -> why its output is not per-example
-    shared: list = dataclasses.field(default_factory=list)  # [SharedUse] at the top level of the program
+    shared: list = dataclasses.field(default_factory=list)  # [SharedUse] of the layers called at the top level
     states: dict = dataclasses.field(default_factory=dict)  # (ctx, var) -> ownership
 
-    def axis_at(self, var, batch: int) -> Optional[tuple[int, int]]:
-        """``(axis, inner)`` of the examples in a top-level var, or None."""
-        state = self.states.get(((), var))
+    def axis_at(self, var, batch: int, ctx: tuple = ()) -> Optional[tuple[int, int]]:
+        """``(axis, inner)`` of the examples in a var (of the top level, or of the calls ``ctx``), or None."""
+        state = self.states.get((ctx, var))
         return axis_of(shape_of(var), state, batch) if isinstance(state, Axis) else None
 
     def example_axis(self, path: str, value_ndim: int, batch: int) -> Optional[tuple[int, int]]:
@@ -132,6 +138,7 @@ class _Analysis:
         self.state: dict = {}  # (ctx, var) -> ownership
         self.mixing: Optional[str] = None
         self.top_eqns: list = []
+        self.users: dict = {}  # id(jaxpr) -> (jaxpr, its users and outputs), for shared_uses
 
     # forward: which leaf each parameter is, what depends on leaves, which ints are positions
 
@@ -324,49 +331,75 @@ class _Analysis:
     def shared_uses(self, jaxpr) -> list:
         """Where each top-level layer output that reaches every loss meets the examples; a layer with
         any other use gets none (its leaves take the exact path)."""
-        users: dict = {}
-        for eqn in jaxpr.eqns:
-            for a in eqn.invars:
-                if not isinstance(a, _compat.Literal):
-                    users.setdefault(a, []).append(eqn)
-        outs = {a for a in jaxpr.outvars if not isinstance(a, _compat.Literal)}
         found = []
         for path, occs in self.occurrences.items():
             for occ in occs:
                 if occ.ctx or not isinstance(occ.out, Every) or occ.out.kind != "shared":
                     continue
-                uses = self._meetings(occ.eqn.outvars[0], [], users, outs)
+                uses = self._meetings(jaxpr, occ.eqn.outvars[0], [], ())
                 if uses is None:
                     continue
-                found.extend(SharedUse(path, eqn, index, chain) for eqn, index, chain in uses)
+                found.extend(SharedUse(path, eqn, index, chain, ctx) for eqn, index, chain, ctx in uses)
         return found
 
-    def _meetings(self, var, chain, users, outs) -> Optional[list]:
+    def _meetings(self, jaxpr, var, chain, ctx) -> Optional[list]:
+        """``[(eqn, operand index, chain, ctx)]``: where ``var`` of ``jaxpr`` (in the calls ``ctx``)
+        meets the examples; None if it reaches the losses any other way."""
+        key = id(jaxpr)
+        if key not in self.users:
+            self.users[key] = (jaxpr, _users(jaxpr))  # the jaxpr kept alive: its id stays its own
+        users, outs = self.users[key][1]
         if var in outs:
             return None
         found = []
         for eqn in users.get(var, []):
-            state = self.state.get(((), eqn.outvars[0]))
-            if state is None:
+            if all(self.state.get((ctx, v)) is None for v in eqn.outvars):
+                continue  # no output of this use reaches a loss
+            name = eqn.primitive.name
+            if name in _compat.INLINE_CALLS or name in _compat.REMAT:  # follow it into the call's body
+                body, _ = _compat.jaxpr_and_consts(_compat.call_body(eqn))
+                for k, a in enumerate(eqn.invars):
+                    if a is var:
+                        more = self._meetings(body, body.invars[k], chain, (*ctx, eqn))
+                        if more is None:
+                            return None
+                        found.extend(more)
                 continue
-            if eqn.primitive.name in SHAPE_ONLY and len(eqn.invars) == 1:
-                more = self._meetings(eqn.outvars[0], [*chain, eqn], users, outs)
+            state = self.state.get((ctx, eqn.outvars[0]))
+            if len(eqn.outvars) != 1:
+                return None  # a loop, a branch or a split: the value meets the examples inside it (exact path)
+            if (name in SHAPE_ONLY or name == "transpose") and len(eqn.invars) == 1:
+                more = self._meetings(jaxpr, eqn.outvars[0], [*chain, eqn], ctx)
                 if more is None:
                     return None
                 found.extend(more)
                 continue
-            if eqn.primitive.name not in ELEMENTWISE or eqn.primitive.name == "jaxtrace_tag" or not isinstance(state, Axis):
+            if name not in ELEMENTWISE and name != "dot_general" or name == "jaxtrace_tag" or not isinstance(state, Axis):
                 return None
             where = axis_of(shape_of(eqn.outvars[0]), state, self.batch)
             if where is None or where[1] != 1:
                 return None
-            ins = elementwise(self, eqn, [state], ())
+            # elementwise: broadcast against the examples; dot_general: contracted with a per-example
+            # operand whose free axis is the examples' (``h @ pos.T``)
+            ins = elementwise(self, eqn, [state], ctx) if name != "dot_general" else OWNERS[name](self, eqn, [state], ctx)
+            if ins is None or name == "dot_general" and sum(a is var for a in eqn.invars) != 1:
+                return None
             for index, a in enumerate(eqn.invars):
                 if a is var:
                     if not (isinstance(ins[index], Every) and ins[index].kind == "shared"):
                         return None
-                    found.append((eqn, index, list(chain)))
+                    found.append((eqn, index, list(chain), ctx))
         return found
+
+
+def _users(jaxpr) -> tuple[dict, set]:
+    """``({var: [the equations that read it, once each]}, {the jaxpr's output vars})``."""
+    users: dict = {}
+    for eqn in jaxpr.eqns:
+        for a in eqn.invars:
+            if not isinstance(a, _compat.Literal) and not any(e is eqn for e in users.get(a, ())):
+                users.setdefault(a, []).append(eqn)  # once per equation, however many operands it is
+    return users, {a for a in jaxpr.outvars if not isinstance(a, _compat.Literal)}
 
 
 def _join_plain(a, b):
