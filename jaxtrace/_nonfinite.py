@@ -78,13 +78,6 @@ def find_nonfinite(
     """
     check_callable(fun, "jaxtrace.find_nonfinite")
     check_tags(tags)
-    if isinstance(argnums, int):
-        nums: tuple = (argnums,)
-    else:
-        nums = tuple(argnums)
-        if not nums or not all(isinstance(a, int) for a in nums):
-    check_callable(fun, "jaxtrace.find_nonfinite")
-    check_tags(tags)
     nums = normalize_argnums(argnums)
 
     @functools.wraps(fun)
@@ -173,10 +166,8 @@ def _first_code(leaves: Sequence, prefix: int, loops: int, backward: bool):
     return jnp.min(code, initial=NONE)
 
 
-
 def _param_path(path: tuple) -> tuple:
     """A parameter's path without the ``.value`` attribute of a Flax NNX ``Variable`` at its end."""
     if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
         return path[:-1]
     return path
-

@@ -80,7 +80,6 @@ def entry_order(template: tuple, steps: tuple) -> tuple[tuple, tuple]:
     raise ValueError(f"jaxtrace.find_nonfinite: no call {steps[0]} in {template}.")  # pragma: no cover
 
 
-
 def loop_count(template: tuple) -> int:
     """How many stack axes ``template`` accounts for."""
     kind = template[0]

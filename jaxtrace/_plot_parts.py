@@ -30,12 +30,14 @@ __all__ = [
 
 
 def figure(width: float, height: float) -> Figure:
+    """A figure on the Agg canvas (no pyplot: no window, no global state)."""
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
 def finish(fig: Figure, path: str | os.PathLike | None, dpi: int = 110) -> Figure:
+    """``fig``, saved at ``path`` first when one is given."""
     if path is not None:
         os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
         fig.savefig(path, dpi=dpi)
@@ -43,6 +45,7 @@ def finish(fig: Figure, path: str | os.PathLike | None, dpi: int = 110) -> Figur
 
 
 def colors(n: int):
+    """``n`` colours along viridis, one per line."""
     cmap = matplotlib.colormaps["viridis"]
     return [cmap(0.9 * i / max(n - 1, 1)) for i in range(n)]
 
@@ -51,7 +54,6 @@ def positive(values: ArrayLike) -> np.ndarray:
     """Values for a log axis: non-positive and non-finite entries become nan (gaps)."""
     values = np.asarray(values, dtype=np.float64)
     return np.where(np.isfinite(values) & (values > 0), values, np.nan)
-
 
 
 def overlay_inputs(images, heatmaps, titles) -> tuple[list, list]:
