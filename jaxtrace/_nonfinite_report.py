@@ -32,9 +32,9 @@ def source(site: Site, module: bool) -> str:
     if module:
         return site.name
     lines = []
-    for source in site.sources:
-        match = re.match(r"^(.*?):(\d+)(?::\d+)?(?: \(.*\))?$", source)
-        lines.append(f"{match.group(1)}:{match.group(2)}" if match else source)
+    for entry in site.sources:
+        match = re.match(r"^(.*?):(\d+)(?::\d+)?(?: \(.*\))?$", entry)
+        lines.append(f"{match.group(1)}:{match.group(2)}" if match else entry)
     return ", ".join(lines)
 
 
@@ -51,6 +51,8 @@ class TagInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ReportMeta:
+    """What a report keeps static (in its tree structure): the tags, the parameter paths, ``has_aux``."""
+
     tags: tuple  # TagInfo per name, in the program's order of first reach
     params: tuple  # the path of each differentiated leaf
     has_aux: bool
