@@ -25,8 +25,11 @@ def is_nnx_module(model) -> bool:
 
 
 def is_linen_module(model) -> bool:
-    """Whether ``model`` is a Flax Linen module."""
-    return from_flax(model, "linen")
+    """Whether ``model`` is a Flax Linen module (an instance, not a class)."""
+    if not from_flax(model, "linen"):
+        return False
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(model, linen.Module)
 
 
 def is_equinox_module(x) -> bool:
