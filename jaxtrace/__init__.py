@@ -11,9 +11,9 @@ from ._ad import value_and_grad as value_and_grad
 from ._ad import vjp as vjp
 from ._compare import Comparison as Comparison
 from ._compare import compare as compare
-from ._equinox import filter_grad as filter_grad
-from ._equinox import filter_jacrev as filter_jacrev
-from ._equinox import filter_value_and_grad as filter_value_and_grad
+from ._equinox_grad import filter_grad as filter_grad
+from ._equinox_grad import filter_jacrev as filter_jacrev
+from ._equinox_grad import filter_value_and_grad as filter_value_and_grad
 from ._equinox import HookPoint as HookPoint
 from ._forward import capture as capture
 from ._forward import jvp as jvp
@@ -29,3 +29,29 @@ from ._tag import tag as tag
 from . import _vmap_cond  # noqa: F401  (teaches jax.vmap of lax.cond to mask the tags in its branches)
 from . import stats as stats
 from ._version import __version__ as __version__
+
+
+__all__ = [
+    "tag",
+    "grad",
+    "value_and_grad",
+    "vjp",
+    "jacrev",
+    "capture",
+    "jvp",
+    "patch",
+    "patch_grad",
+    "per_example_norms",
+    "clipped_grad",
+    "find_nonfinite",
+    "NonfiniteReport",
+    "TagError",
+    "compare",
+    "Comparison",
+    "tag_modules",
+    "filter_grad",
+    "filter_value_and_grad",
+    "filter_jacrev",
+    "HookPoint",
+    "stats",
+]

@@ -1,4 +1,4 @@
-"""Reverse mode: ``value_and_grad`` does the work; ``grad`` and ``vjp`` share it.
+"""Reverse mode: ``value_and_grad`` does the work; ``grad``, ``vjp`` and ``jacrev`` share its split.
 
 The function is traced once; each selected tag ``y = tag(x)`` becomes
 ``y = perturb(x, eps)`` with ``eps`` a new input held at zero, and
@@ -21,6 +21,17 @@ from ._checks import check_callable
 from ._selection import TagSelection, check_tags
 from ._sites import Site
 from ._split import Split
+
+__all__ = [
+    "value_and_grad",
+    "grad",
+    "vjp",
+    "jacrev",
+    "value_and_grad_with_sites",
+    "split_for_reverse",
+    "normalize_argnums",
+    "grad_result",
+]
 
 
 def _perturb_site(site: Site, x, eps):
@@ -46,7 +57,8 @@ def _zero_inputs(sites) -> dict:
     return out
 
 
-def _normalize_argnums(argnums) -> tuple[int, ...]:
+def normalize_argnums(argnums) -> tuple[int, ...]:
+    """``argnums`` as a non-empty tuple of ints (``jax.grad``'s forms); a ``TypeError`` otherwise."""
     if isinstance(argnums, int):
         return (argnums,)
     argnums = tuple(argnums)
@@ -55,9 +67,19 @@ def _normalize_argnums(argnums) -> tuple[int, ...]:
     return argnums
 
 
-def _split_for_reverse(fun, args, kwargs, argnums, tags, has_aux, with_values):
-    """The split function for reverse mode: ``(args, eps) -> (out, (aux, tag_values))``, and its eps."""
-    split = Split(fun, args, kwargs, argnums, tags)
+def split_for_reverse(
+    fun, args, kwargs, argnums, tags, has_aux, with_values, *, dynamic=None, api="jaxtrace.grad, value_and_grad or vjp"
+):
+    """The split function for reverse mode: ``(split, run, eps)`` with ``run(args, eps) -> (out, (aux,
+    tag_values))`` on the differentiated arguments and ``eps`` its zeros at the sites.
+
+    ``dynamic(leaf)`` picks the leaves to trace (default: every leaf, checked to be arrays);
+    ``api`` names the caller in the error for a ``has_aux`` function that returns no pair.
+    """
+    if dynamic is None:
+        split = Split(fun, args, kwargs, argnums, tags)
+    else:
+        split = Split(fun, args, kwargs, argnums, tags, dynamic=dynamic)
     eps = _zero_inputs(split.sites)
     outputs = split.keys if with_values else ()
 
@@ -68,7 +90,7 @@ def _split_for_reverse(fun, args, kwargs, argnums, tags, has_aux, with_values):
         if not (isinstance(result, (tuple, list)) and len(result) == 2):
             raise TypeError(
                 "expected function with aux output to return a two-element tuple, but got type "
-                f"{type(result)} with value {result}. This comes from jaxtrace.grad, value_and_grad or vjp "
+                f"{type(result)} with value {result}. This comes from {api} "
                 "with has_aux=True, which (as jax.grad) expects the function to return (output, aux): "
                 "return such a pair, or drop has_aux=True."
             )
@@ -76,6 +98,14 @@ def _split_for_reverse(fun, args, kwargs, argnums, tags, has_aux, with_values):
         return out, (aux, values)
 
     return split, run, eps
+
+
+def grad_result(value_and_grad_result: tuple, has_aux: bool) -> tuple:
+    """What ``grad`` returns from what ``value_and_grad`` returned: ``(grads, tag_grads)`` (with
+    ``has_aux`` ``((grads, tag_grads), aux)``), anything appended (``with_values``) kept last."""
+    value, grads, *values = value_and_grad_result
+    result = (grads, value[1]) if has_aux else grads  # grads is (grads, tag_grads)
+    return (*result, *values)
 
 
 def value_and_grad(
@@ -142,10 +172,10 @@ def value_and_grad_with_sites(
     """``value_and_grad(fun, ...)``, returning ``(its result, the sites it split)``: for callers that
     need each tag's layout (loop and batch axes), as ``jaxtrace.stats.value_and_grad`` does."""
     check_tags(tags)
-    nums = _normalize_argnums(argnums)
+    nums = normalize_argnums(argnums)
 
     def fun_with_sites(*args, **kwargs):
-        split, run, eps = _split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
+        split, run, eps = split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
         (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(
             run, argnums=(0, 1), has_aux=True, holomorphic=holomorphic
         )(split.args, eps)
@@ -204,9 +234,7 @@ def grad(
 
     @functools.wraps(fun)
     def grad_fun(*args, **kwargs):
-        value, grads, *values = value_and_grad_fun(*args, **kwargs)
-        result = (grads, value[1]) if has_aux else grads  # grads is (grads, tag_grads)
-        return (*result, *values)
+        return grad_result(value_and_grad_fun(*args, **kwargs), has_aux)
 
     return grad_fun
 
@@ -243,7 +271,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection 
         ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
     """
     check_callable(fun, "jaxtrace.vjp")
-    split, run, eps = _split_for_reverse(fun, primals, {}, tuple(range(len(primals))), tags, has_aux, with_values)
+    split, run, eps = split_for_reverse(fun, primals, {}, tuple(range(len(primals))), tags, has_aux, with_values)
     out, pullback, (aux, values) = jax.vjp(run, split.args, eps, has_aux=True)
     vjp_fn = jax.tree_util.Partial(functools.partial(_split_cotangents, split.tag_tree), pullback)
     result = (out, vjp_fn, aux) if has_aux else (out, vjp_fn)
@@ -303,36 +331,18 @@ def jacrev(
     """
     check_callable(fun, "jaxtrace.jacrev")
     check_tags(tags)
-    nums = _normalize_argnums(argnums)
+    nums = normalize_argnums(argnums)
 
     @functools.wraps(fun)
     def jacrev_fun(*args, **kwargs):
-        split, run, eps = _split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
+        split, run, eps = split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
         out, pullback, (aux, values) = jax.vjp(run, split.args, eps, has_aux=True)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        for leaf in out_leaves:
-            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-                raise TypeError(
-                    f"jaxtrace.jacrev needs real floating-point outputs, as jax.jacrev does, but got an output of "
-                    f"dtype {jnp.result_type(leaf)}. Cast it, or leave it out of the differentiated output."
-                )
-        # The standard basis of the output space, as jax.jacrev builds it: one eye in the
-        # promoted dtype, split per leaf and cast back to each leaf's dtype. Sizes stay
-        # symbolic under jax.export (math.prod), and a size-0 leaf gets no rows.
-        sizes = [math.prod(jnp.shape(leaf)) for leaf in out_leaves]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        total = sum(sizes)
-        basis = jnp.eye(total, dtype=jnp.result_type(*out_leaves))
-        cts = [
-            _cut(basis, start, size, axis=1).reshape(total, *jnp.shape(leaf)).astype(jnp.result_type(leaf))
-            for start, size, leaf in zip(starts, sizes, out_leaves)
-        ]
-        g_args, g_eps = jax.vmap(pullback)(jax.tree_util.tree_unflatten(out_tree, cts))
+        _check_real_outputs(out_leaves)
+        basis, starts, sizes = _output_basis(out_leaves)
+        g_args, g_eps = jax.vmap(pullback)(jax.tree_util.tree_unflatten(out_tree, basis))
         g_args = g_args[0] if isinstance(argnums, int) else g_args
-
-        def rows(tree, i, shape):  # the rows of output leaf i, with the leaf's shape in front
-            return jax.tree_util.tree_map(lambda g: _cut(g, starts[i], sizes[i], 0).reshape(*shape, *g.shape[1:]), tree)
-
+        rows = functools.partial(_rows, starts=starts, sizes=sizes)
         shapes = [jnp.shape(leaf) for leaf in out_leaves]
         jac = jax.tree_util.tree_unflatten(out_tree, [rows(g_args, i, s) for i, s in enumerate(shapes)])
         per_leaf = [split.tag_tree(rows(g_eps, i, s), lead=s) for i, s in enumerate(shapes)]
@@ -344,3 +354,35 @@ def jacrev(
         return (*result, split.tag_tree(values)) if with_values else result
 
     return jacrev_fun
+
+
+def _check_real_outputs(out_leaves: list) -> None:
+    for leaf in out_leaves:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise TypeError(
+                f"jaxtrace.jacrev needs real floating-point outputs, as jax.jacrev does, but got an output of "
+                f"dtype {jnp.result_type(leaf)}. Cast it, or leave it out of the differentiated output."
+            )
+
+
+def _output_basis(out_leaves: list) -> tuple[list, list, list]:
+    """``(cotangents, starts, sizes)``: the standard basis of the output space, as ``jax.jacrev``
+    builds it, one cotangent per output leaf with the basis rows in front.
+
+    One eye in the promoted dtype, split per leaf and cast back to each leaf's dtype. Sizes stay
+    symbolic under jax.export (math.prod), and a size-0 leaf gets no rows.
+    """
+    sizes = [math.prod(jnp.shape(leaf)) for leaf in out_leaves]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = sum(sizes)
+    basis = jnp.eye(total, dtype=jnp.result_type(*out_leaves))
+    cts = [
+        _cut(basis, start, size, axis=1).reshape(total, *jnp.shape(leaf)).astype(jnp.result_type(leaf))
+        for start, size, leaf in zip(starts, sizes, out_leaves)
+    ]
+    return cts, starts, sizes
+
+
+def _rows(tree, i: int, shape: tuple, *, starts: list, sizes: list):
+    """The rows of output leaf ``i`` in the pulled-back ``tree``, with the leaf's ``shape`` in front."""
+    return jax.tree_util.tree_map(lambda g: _cut(g, starts[i], sizes[i], 0).reshape(*shape, *g.shape[1:]), tree)

@@ -14,7 +14,9 @@ from typing import Any, Callable, Mapping, Union
 import jax
 import numpy as np
 
-from ._module_tags import path_name
+from ._paths import path_name
+
+__all__ = ["compare", "Comparison", "named_leaves"]
 
 Layout = Union[str, Callable[[np.ndarray], Any]]
 Tolerance = Union[float, Mapping[str, float]]
@@ -347,31 +349,35 @@ def compare(
     names = [*flat_b, *(n for n in flat_a if n not in flat_b)]
     rtol_of = _tolerances("rtol", rtol, DEFAULT_RTOL, names)
     atol_of = _tolerances("atol", atol, DEFAULT_ATOL, names)
-    rows = []
-    for name, value_b in flat_b.items():
-        if name not in flat_a:
-            continue
-        x = _to_numpy(flat_a[name])
-        y = _to_numpy(value_b)
-        row_rtol, row_atol = rtol_of(name), atol_of(name)
-        spec = _layout_for(name, layout)
-        if spec is not None:
-            try:
-                y = _apply_layout(name, spec, y, x.shape)
-            except LayoutError:
-                raise
-            except Exception as e:  # a layout that does not fit this array: a failed row, not a crash
-                rows.append(
-                    Row(name, x.shape, y.shape, float("nan"), float("nan"), False, f"layout: {e}", row_rtol, row_atol)
-                )
-                continue
-        rows.append(_compare_one(name, x, y, row_rtol, row_atol, bool(equal_nan)))
+    rows = tuple(
+        _row(name, flat_a[name], value_b, rtol_of(name), atol_of(name), _layout_for(name, layout), bool(equal_nan))
+        for name, value_b in flat_b.items()
+        if name in flat_a
+    )
     only_a = tuple(n for n in flat_a if n not in flat_b)
     only_b = tuple(n for n in flat_b if n not in flat_a)
     # The default tolerances, for the table's last line: what a name no key matches is held to.
-    default_rtol = float(rtol.get("*", DEFAULT_RTOL)) if isinstance(rtol, Mapping) else float(rtol)
-    default_atol = float(atol.get("*", DEFAULT_ATOL)) if isinstance(atol, Mapping) else float(atol)
-    return Comparison(tuple(rows), only_a, only_b, default_rtol, default_atol, tuple(labels), bool(strict))
+    default_rtol, default_atol = _default(rtol, DEFAULT_RTOL), _default(atol, DEFAULT_ATOL)
+    return Comparison(rows, only_a, only_b, default_rtol, default_atol, tuple(labels), bool(strict))
+
+
+def _default(tol: Tolerance, default: float) -> float:
+    """The tolerance of a name that no key of ``tol`` matches."""
+    return float(tol.get("*", default)) if isinstance(tol, Mapping) else float(tol)
+
+
+def _row(name: str, value_a, value_b, rtol: float, atol: float, spec: Layout | None, equal_nan: bool) -> Row:
+    """One name's row: ``b``'s value put in ``a``'s layout (``spec``), then compared."""
+    x = _to_numpy(value_a)
+    y = _to_numpy(value_b)
+    if spec is not None:
+        try:
+            y = _apply_layout(name, spec, y, x.shape)
+        except LayoutError:
+            raise
+        except Exception as e:  # a layout that does not fit this array: a failed row, not a crash
+            return Row(name, x.shape, y.shape, float("nan"), float("nan"), False, f"layout: {e}", rtol, atol)
+    return _compare_one(name, x, y, rtol, atol, equal_nan)
 
 
 def _compare_one(name: str, x: np.ndarray, y: np.ndarray, rtol: float, atol: float, equal_nan: bool) -> Row:

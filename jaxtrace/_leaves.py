@@ -9,17 +9,12 @@ leaf's place in the model nor the fix. ``check_array_leaves`` names both.
 
 from __future__ import annotations
 
-import sys
-
 import jax
-import numpy as np
 
+from ._arrays import is_array_like
+from ._frameworks import is_nnx_module
 
-def _is_array_like(leaf) -> bool:
-    """What JAX can trace as an input: arrays, NumPy scalars, Python numbers and bools."""
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
-        return True
-    return hasattr(leaf, "shape") and hasattr(leaf, "dtype") and hasattr(leaf, "__jax_array__")
+__all__ = ["check_array_leaves"]
 
 
 def check_array_leaves(args: tuple, argnums: tuple) -> None:
@@ -27,14 +22,13 @@ def check_array_leaves(args: tuple, argnums: tuple) -> None:
     bad = []
     for position, arg in zip(argnums, args):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if not _is_array_like(leaf):
+            if not is_array_like(leaf):
                 bad.append((position, jax.tree_util.keystr(path), leaf))
     if not bad:
         return
     shown = "; ".join(f"argument {i}{' at ' + path if path else ''}: {_describe(leaf)}" for i, path, leaf in bad[:5])
     more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-    nnx = sys.modules.get("flax.nnx")
-    is_nnx = nnx is not None and any(isinstance(a, nnx.Module) for a in args)
+    is_nnx = any(is_nnx_module(a) for a in args)
     hint = (
         "For a Flax NNX module use jaxtrace.flax.grad / jaxtrace.flax.value_and_grad / jaxtrace.flax.jacrev, "
         "which differentiate its nnx.Param state (as nnx.grad). "

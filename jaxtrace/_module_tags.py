@@ -5,9 +5,9 @@
 by its path (PyTorch's ``named_modules()`` spelling), select modules with one
 ``where=`` rule, and tag a selected module's output under its name and, on
 request, its positional inputs under ``name + ":in"``. This module holds what
-they share: the path names, the ``where=`` rule, how one call is tagged, the
-tagged subclass that makes a module of the user's own class tag its calls, and
-the ``tag_modules`` dispatcher. Each framework's file keeps what differs: how to
+they share: the ``where=`` rule, how one call is tagged, the
+tagged subclass that makes a module of the user's own class tag its calls (path names
+are in ``_paths``, the ``tag_modules`` dispatcher in ``_tag_modules``). Each framework's file keeps what differs: how to
 walk its models, what counts as state rather than a value, how the tagged copy
 is built.
 """
@@ -21,28 +21,13 @@ from typing import Any, Callable, Iterable, Sequence, Union
 import jax
 import jax.tree_util as jtu
 
+# Kept importable here while _per_example and torch move their imports to the modules they live in:
+from ._frameworks import from_flax, is_nnx_module  # noqa: F401
+from ._paths import join, key_name, path_name  # noqa: F401
 from ._tag import tag
 
 INPUT_SUFFIX = ":in"  # "<path>:in" names a module's positional inputs
 PARAMS_SUFFIX = ":params:"  # "<path>:params:<attribute>": a parameter where the module reads it (per-example plans)
-
-# --- path names --------------------------------------------------------------
-
-
-def key_name(key) -> str:
-    """One step of a pytree path as jaxtrace names it: an attribute, a dict key, a list index."""
-    return jtu.keystr((key,), simple=True, separator=".")
-
-
-def path_name(path: Iterable) -> str:
-    """A pytree path as a dotted name (``"layers.0.weight"``; ``""`` for the root)."""
-    return ".".join(key_name(k) for k in path)
-
-
-def join(prefix: str, *names: str) -> str:
-    """``prefix`` and ``names`` joined by dots, empty names left out (the root's path is ``""``)."""
-    return ".".join(n for n in (prefix, *names) if n != "")
-
 
 # --- where= ------------------------------------------------------------------
 
@@ -118,12 +103,6 @@ def choose(candidates: Sequence[tuple[str, Any]], where: Where, api: str) -> lis
 
 
 # --- tagging one call --------------------------------------------------------
-
-
-def is_key(x) -> bool:
-    """Whether the array ``x`` holds PRNG keys (never tagged: a key has no gradient)."""
-    # jax.dtypes.issubdtype is public; JAX re-exports it without `as`, which the checker reads as private.
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # pyright: ignore[reportPrivateImportUsage]
 
 
 def tag_leaves(value, name: str, *, taggable: Callable[[Any], bool], is_leaf: Callable[[Any], bool] | None = None):
@@ -228,17 +207,3 @@ def tagged_subclass(
         **namespace,
     }
     return type(base)(base.__name__, (base,), body)
-
-
-# --- which framework a model comes from ------------------------------------
-
-
-def from_flax(model, package: str) -> bool:
-    """Whether ``model``'s class comes from ``flax.<package>`` (read from the classes, so that Flax
-    is never imported here: a Flax model means Flax is loaded)."""
-    return any(cls.__module__.startswith(f"flax.{package}.") for cls in type(model).__mro__)
-
-
-def is_nnx_module(model) -> bool:
-    """Whether ``model`` is a Flax NNX module (without importing Flax)."""
-    return from_flax(model, "nnx")

@@ -167,11 +167,6 @@ class Slot:
     primary: bool = True
     perm: tuple | None = None  # its value axes transposed by perm are the stacked site's (``Site.relayout``)
 
-    @property
-    def spliced(self) -> bool:
-        """The old name of ``span`` (``_nonfinite`` still reads it)."""
-        return self.span
-
     def take(self, value):
         """This occurrence's part of a site input (in the stacked site's layout), in its own layout."""
         if self.start is not None:

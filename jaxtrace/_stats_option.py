@@ -1,10 +1,21 @@
-"""``stats=`` of the framework transforms (equinox's ``filter_value_and_grad``, ``jaxtrace.flax``)."""
+"""``stats=`` of the framework transforms, and the one entry point they call.
+
+Equinox's ``filter_value_and_grad`` / ``filter_jacrev`` and ``jaxtrace.flax``'s transforms take
+``stats=``: ``None`` for the gradients (``jaxtrace.value_and_grad``, ``jaxtrace.jacrev``), names
+for their statistics (``jaxtrace.stats.value_and_grad``, ``jaxtrace.stats.jacrev``). The choice
+between the two is made here, once.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from . import stats as jt_stats
+from . import _ad
+from . import _stats_grad
+from ._selection import TagSelection
+from ._summary import STATS, check_stat_names
+
+__all__ = ["stat_names", "value_and_grad", "jacrev"]
 
 
 def stat_names(stats) -> Any:
@@ -13,7 +24,23 @@ def stat_names(stats) -> Any:
     if stats is None or stats is False:
         return None
     if stats is True:
-        return jt_stats.STATS
+        return STATS
     names = (stats,) if isinstance(stats, str) else tuple(stats) if isinstance(stats, (list, tuple)) else stats
-    jt_stats.value_and_grad(lambda x: x, stats=names)  # the check of the names, at wrapping time
+    check_stat_names(names)  # the check of the names, at wrapping time
     return names
+
+
+def value_and_grad(
+    fun: Callable, argnums, *, has_aux: bool, tags: TagSelection, with_values: bool, stats: Any
+) -> Callable:
+    """``jaxtrace.value_and_grad``, or with ``stats`` (what ``stat_names`` returns) ``jaxtrace.stats.value_and_grad``."""
+    if stats is None:
+        return _ad.value_and_grad(fun, argnums, has_aux=has_aux, tags=tags, with_values=with_values)
+    return _stats_grad.value_and_grad(fun, argnums, has_aux=has_aux, tags=tags, stats=stats, with_values=with_values)
+
+
+def jacrev(fun: Callable, argnums, *, has_aux: bool, tags: TagSelection, stats: Any) -> Callable:
+    """``jaxtrace.jacrev``, or with ``stats`` (what ``stat_names`` returns) ``jaxtrace.stats.jacrev``."""
+    if stats is None:
+        return _ad.jacrev(fun, argnums, has_aux=has_aux, tags=tags)
+    return _stats_grad.jacrev(fun, argnums, has_aux=has_aux, tags=tags, stats=stats)

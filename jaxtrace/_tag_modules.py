@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ._equinox import is_module, tag_equinox
-from ._module_tags import Where, from_flax, is_nnx_module
+from ._equinox import tag_equinox
+from ._frameworks import is_equinox_module, is_linen_module, is_nnx_module
+from ._module_tags import Where
+
+__all__ = ["tag_modules", "tag_module_calls"]
 
 
 def tag_modules(model: Any, where: Where = None, *, inputs: bool = False) -> Any:
@@ -66,13 +69,13 @@ def tag_module_calls(model: Any, where: Where = None, *, inputs: bool = False, p
         from .flax._nnx import tag_modules as tag_nnx  # imports Flax, which an nnx model has loaded
 
         return tag_nnx(model, where, inputs=inputs, params_of=params_of)
-    if from_flax(model, "linen"):
+    if is_linen_module(model):
         raise TypeError(
             "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
             "they are tagged while they run: `with jaxtrace.flax.tag_modules(): "
             "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`."
         )
-    if not is_module(model):
+    if not is_equinox_module(model):
         raise TypeError(
             f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
             "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."

@@ -23,11 +23,9 @@ import os
 from typing import Mapping, Sequence
 
 import numpy as np
-from numpy.typing import ArrayLike
 
 try:
     import matplotlib
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     import matplotlib.cm
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
@@ -37,31 +35,9 @@ except ImportError as error:  # pragma: no cover - exercised without matplotlib
         '`pip install -e ".[plot]"` from a jaxtrace checkout (or `pip install matplotlib`).'
     ) from error
 
+from . import _plot_parts as _parts
+
 __all__ = ["grad_flow", "layer_flow", "timestep_norms", "overlay", "paths"]
-
-
-def _figure(width: float, height: float) -> Figure:
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _finish(fig: Figure, path: str | os.PathLike | None, dpi: int = 110) -> Figure:
-    if path is not None:
-        os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-        fig.savefig(path, dpi=dpi)
-    return fig
-
-
-def _colors(n: int):
-    cmap = matplotlib.colormaps["viridis"]
-    return [cmap(0.9 * i / max(n - 1, 1)) for i in range(n)]
-
-
-def _positive(values: ArrayLike) -> np.ndarray:
-    """Values for a log axis: non-positive and non-finite entries become nan (gaps)."""
-    values = np.asarray(values, dtype=np.float64)
-    return np.where(np.isfinite(values) & (values > 0), values, np.nan)
 
 
 def grad_flow(
@@ -104,12 +80,12 @@ def grad_flow(
     if not names:
         raise ValueError("jaxtrace.plot.grad_flow: the History holds no statistics yet; append some first.")
     steps = history.steps
-    fig = _figure(11, 4.2)
+    fig = _parts.figure(11, 4.2)
     ax_lines, ax_bars = fig.subplots(1, 2, width_ratios=[1.5, 1])
-    colors = _colors(len(names))
+    colors = _parts.colors(len(names))
 
     for name, color in zip(names, colors):
-        ax_lines.plot(steps, _positive(_per_step(history.array(name, stat), stat)), color=color, lw=1.8, label=name)
+        ax_lines.plot(steps, _parts.positive(_per_step(history.array(name, stat), stat)), color=color, lw=1.8, label=name)
     ax_lines.set_yscale("log")
     ax_lines.set_xlabel("training step")
     ax_lines.set_ylabel(_LABELS.get(stat, stat))
@@ -124,13 +100,13 @@ def grad_flow(
     if {"mean_abs", "max_abs"} <= available:
         maxes = [_per_step(history.array(n, "max_abs"), "max_abs")[last] for n in names]
         means = [_per_step(history.array(n, "mean_abs"), "mean_abs")[last] for n in names]
-        ax_bars.bar(x, _positive(maxes), color="#9ecae1", width=0.75, label="max |g|")
-        ax_bars.bar(x, _positive(means), color="#08519c", width=0.45, label="mean |g|")
+        ax_bars.bar(x, _parts.positive(maxes), color="#9ecae1", width=0.75, label="max |g|")
+        ax_bars.bar(x, _parts.positive(means), color="#08519c", width=0.45, label="mean |g|")
         ax_bars.set_ylabel("|gradient|")
         ax_bars.legend(fontsize=8, frameon=False)
     else:
         values = [_per_step(history.array(n, stat), stat)[last] for n in names]
-        ax_bars.bar(x, _positive(values), color=colors, width=0.7)
+        ax_bars.bar(x, _parts.positive(values), color=colors, width=0.7)
         ax_bars.set_ylabel(_LABELS.get(stat, stat))
     if "nonfinite" in available:
         for i, n in enumerate(names):
@@ -142,7 +118,7 @@ def grad_flow(
     ax_bars.grid(True, axis="y", alpha=0.3)
     if title:
         fig.suptitle(title)
-    return _finish(fig, path)
+    return _parts.finish(fig, path)
 
 
 def layer_flow(
@@ -194,7 +170,7 @@ def layer_flow(
             "tag_stats and value_stats of jt.stats.value_and_grad(..., with_values=True) first."
         )
     steps = history.steps
-    fig = _figure(5.5 * len(panels) + 1.5, 4.2)
+    fig = _parts.figure(5.5 * len(panels) + 1.5, 4.2)
     axes = np.atleast_1d(fig.subplots(1, len(panels), squeeze=False)).ravel()
     for ax, (table, kind) in zip(axes, panels):
         lines = []
@@ -209,8 +185,8 @@ def layer_flow(
             index = list(np.ndindex(*values.shape[1:]))
             for i, column in zip(index, per_layer.T):
                 lines.append((f"{name or chr(34) * 2}[{', '.join(map(str, i))}]", column))
-        for (label, column), color in zip(lines, _colors(len(lines))):
-            ax.plot(steps, _positive(column), color=color, lw=1.6, label=label)
+        for (label, column), color in zip(lines, _parts.colors(len(lines))):
+            ax.plot(steps, _parts.positive(column), color=color, lw=1.6, label=label)
         ax.set_yscale("log")
         ax.set_xlabel("training step")
         ax.set_ylabel(f"{kind} {stat}")
@@ -220,7 +196,7 @@ def layer_flow(
             ax.legend(fontsize=7, frameon=False)
     if title:
         fig.suptitle(title)
-    return _finish(fig, path)
+    return _parts.finish(fig, path)
 
 
 _LABELS = {
@@ -278,7 +254,7 @@ def timestep_norms(
     """
     if not norms:
         raise ValueError("jaxtrace.plot.timestep_norms: pass at least one {label: norms} entry.")
-    fig = _figure(8, 4)
+    fig = _parts.figure(8, 4)
     ax = fig.add_subplot()
     palette = ["#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
     for i, (label, values) in enumerate(norms.items()):
@@ -291,9 +267,9 @@ def timestep_norms(
         t = np.arange(len(values))
         if values.ndim == 2:
             lo, mid, hi = np.nanpercentile(values, [band[0], 50, band[1]], axis=1)
-            ax.fill_between(t, _positive(lo), _positive(hi), color=color, alpha=0.18, lw=0)
+            ax.fill_between(t, _parts.positive(lo), _parts.positive(hi), color=color, alpha=0.18, lw=0)
             values = mid
-        ax.plot(t, _positive(values), color=color, lw=2, label=label)
+        ax.plot(t, _parts.positive(values), color=color, lw=2, label=label)
     ax.set_yscale("log")
     ax.set_xlabel("timestep t")
     ax.set_ylabel(ylabel)
@@ -301,7 +277,7 @@ def timestep_norms(
     ax.legend(frameon=False)
     if title:
         ax.set_title(title)
-    return _finish(fig, path)
+    return _parts.finish(fig, path)
 
 
 def overlay(
@@ -337,6 +313,7 @@ def overlay(
         alpha: the heatmaps' opacity.
         cmap: the heatmaps' colour map.
         vmax: one colour scale ``[0, vmax]`` for all maps.
+        colorbar: draw that shared scale beside the grid (default: when ``vmax`` is given).
         size: each panel's size in inches.
         path: where to save the figure too (any format matplotlib writes).
 
@@ -353,45 +330,20 @@ def overlay(
         >>> len(plot.overlay([image, image], [cam, cam / 2], vmax=1.0).axes)  # and a colorbar
         3
     """
-    single = not isinstance(images, (list, tuple)) and (
-        np.ndim(images) == 2 or (np.ndim(images) == 3 and np.shape(images)[-1] in (3, 4))
-    )
-    if single:
-        images, heatmaps = [images], [heatmaps]
-    images, heatmaps = list(images), list(heatmaps)
-    if len(images) != len(heatmaps):
-        raise ValueError(
-            f"jaxtrace.plot.overlay: {len(images)} images but {len(heatmaps)} heatmaps; pass one heatmap "
-            "(or None) per image."
-        )
-    if titles is not None and len(titles) != len(images):
-        raise ValueError(f"jaxtrace.plot.overlay: {len(titles)} titles for {len(images)} images.")
+    images, heatmaps = _parts.overlay_inputs(images, heatmaps, titles)
     n = len(images)
     ncols = ncols or min(n, 6)
     nrows = -(-n // ncols)
     colorbar = vmax is not None if colorbar is None else colorbar
     if colorbar and vmax is None:
         raise ValueError("jaxtrace.plot.overlay: colorbar=True needs vmax=, the one scale the maps share.")
-    fig = _figure(size * ncols + (0.7 if colorbar else 0), size * nrows + (0.25 if titles else 0))
+    fig = _parts.figure(size * ncols + (0.7 if colorbar else 0), size * nrows + (0.25 if titles else 0))
     axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
-    drawn = None
     for i, ax in enumerate(axes):
         ax.set_axis_off()
         if i >= n:
             continue
-        image = np.asarray(images[i], dtype=np.float64)
-        # 2 or 3 axes; NumPy >= 2.5's stubs guess a 1-D array from asarray of an untyped value.
-        h, w = image.shape[:2]  # pyright: ignore[reportAssignmentType]
-        lo, hi = np.nanmin(image), np.nanmax(image)
-        image = (image - lo) / (hi - lo) if hi > lo else np.zeros_like(image)
-        ax.imshow(image, cmap="gray" if image.ndim == 2 else None, extent=(0, w, h, 0), interpolation="nearest")
-        if heatmaps[i] is not None:
-            heat = np.asarray(heatmaps[i], dtype=np.float64)
-            if heat.ndim != 2:
-                raise ValueError(f"jaxtrace.plot.overlay: heatmap {i} has shape {heat.shape}; expected (h, w).")
-            top = np.nanmax(heat) if vmax is None else vmax
-            heat = np.clip(heat / top, 0, 1) if top > 0 else np.zeros_like(heat)
-            ax.imshow(heat, cmap=cmap, alpha=alpha, extent=(0, w, h, 0), interpolation="bilinear", vmin=0, vmax=1)
+        _parts.overlay_panel(ax, i, images[i], heatmaps[i], alpha=alpha, cmap=cmap, vmax=vmax)
         if titles is not None:
             ax.set_title(titles[i], fontsize=9)
     if colorbar:
@@ -400,7 +352,7 @@ def overlay(
         bar = fig.colorbar(mappable, ax=list(axes), shrink=0.8, aspect=30)
         bar.set_label("heatmap (one scale for all)", fontsize=8)
         bar.ax.tick_params(labelsize=7)
-    return _finish(fig, path)
+    return _parts.finish(fig, path)
 
 
 def paths(
@@ -429,6 +381,7 @@ def paths(
         stat: the statistic to show.
         tags: the rows, in order (default: the table's).
         title: the figure's title.
+        titles: one title per panel, with a list of tables.
         path: where to save the figure too (any format matplotlib writes).
 
     Returns:
@@ -446,47 +399,18 @@ def paths(
         >>> [ax.get_title() for ax in fig.axes[:2]], fig.axes[0].images[0].norm is fig.axes[1].images[0].norm
         (['clean', 'buggy'], True)
     """
-    tables = [dict(t) for t in table] if isinstance(table, (list, tuple)) else [dict(table)]
-    if not tables:
-        raise ValueError("jaxtrace.plot.paths: pass a table, or a list of tables to compare.")
-    if titles is not None and len(titles) != len(tables):
-        raise ValueError(f"jaxtrace.plot.paths: {len(titles)} titles for {len(tables)} tables.")
-    tables = [{name: dict(per_term) for name, per_term in t.items()} for t in tables]
-    names = list(tables[0]) if tags is None else list(tags)
-    for k, t in enumerate(tables):
-        missing = [name for name in names if name not in t]
-        if missing:
-            raise ValueError(f"jaxtrace.plot.paths: table {k} has no tag {missing[0]!r}; it has {list(t)}.")
+    tables, names = _parts.path_tables(table, tags, titles)
     terms = list(dict.fromkeys(term for t in tables for name in names for term in t[name]))
-    panels = []
-    for t in tables:
-        values = np.full((len(names), len(terms)), np.nan)
-        for i, name in enumerate(names):
-            for j, term in enumerate(terms):
-                cell = t[name].get(term, {}).get(stat)
-                if cell is not None:
-                    values[i, j] = float(np.nanmax(np.asarray(cell, dtype=np.float64)))
-        panels.append(values)
-    logs = [np.log10(_positive(values)) for values in panels]
-    finite = np.concatenate([lg[np.isfinite(lg)] for lg in logs])
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (-1.0, 0.0)
-    if hi - lo < 1e-9:
-        lo, hi = lo - 0.5, hi + 0.5
-    norm = Normalize(vmin=lo, vmax=hi)  # one scale for every panel
+    panels = [_parts.path_values(t, names, terms, stat) for t in tables]
+    logs = [np.log10(_parts.positive(values)) for values in panels]
+    norm = _parts.one_scale(logs)  # one scale for every panel
     n = len(tables)
-    fig = _figure(1.2 + n * (0.6 + 1.1 * len(terms)) + 0.8, 1.2 + 0.42 * len(names) + (0.3 if title and (n > 1 or titles is not None) else 0))
+    fig = _parts.figure(1.2 + n * (0.6 + 1.1 * len(terms)) + 0.8, 1.2 + 0.42 * len(names) + (0.3 if title and (n > 1 or titles is not None) else 0))
     axes = np.atleast_1d(fig.subplots(1, n, sharey=True, squeeze=False)).ravel()
     cmap = matplotlib.colormaps["magma"].with_extremes(bad="#d9d9d9")
     image = None
     for k, (ax, values, lg) in enumerate(zip(axes, panels, logs)):
-        image = ax.imshow(np.ma.masked_invalid(lg), cmap=cmap, norm=norm, aspect="auto")
-        for i, j in zip(*np.nonzero(values == 0)):
-            ax.text(j, i, "x  no path", ha="center", va="center", fontsize=8, color="#b30000")
-        for i, j in zip(*np.nonzero(np.isfinite(lg))):
-            dark = norm(lg[i, j]) < 0.5  # magma is dark at the low end: white text there
-            ax.text(j, i, f"{values[i, j]:.2g}", ha="center", va="center", fontsize=8, color="white" if dark else "black")
-        ax.set_xticks(range(len(terms)), [t or "(output)" for t in terms])
-        ax.set_xlabel("loss term")
+        image = _parts.paths_panel(ax, values, lg, norm, cmap, terms)
         if k == 0:
             ax.set_yticks(range(len(names)), [name or '""' for name in names])
             ax.set_ylabel("tag")
@@ -497,4 +421,4 @@ def paths(
     if title and (n > 1 or titles is not None):
         fig.suptitle(title)
     fig.colorbar(image, ax=list(axes), label=f"log10 {stat}")
-    return _finish(fig, path)
+    return _parts.finish(fig, path)

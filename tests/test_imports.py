@@ -44,10 +44,11 @@ def test_equinox_helpers_are_their_implementations():
         from jaxtrace import filter_value_and_grad, tag_modules
         import jaxtrace as jt
         import jaxtrace._equinox as impl
+        import jaxtrace._equinox_grad as transforms
         import jaxtrace._tag_modules as module_tags
 
-        assert tag_modules is module_tags.tag_modules and filter_value_and_grad is impl.filter_value_and_grad
-        assert jt.filter_grad is impl.filter_grad and jt.filter_jacrev is impl.filter_jacrev
+        assert tag_modules is module_tags.tag_modules and filter_value_and_grad is transforms.filter_value_and_grad
+        assert jt.filter_grad is transforms.filter_grad and jt.filter_jacrev is transforms.filter_jacrev
         from jaxtrace import HookPoint
         assert HookPoint is impl.HookPoint and ">>>" in HookPoint.__doc__
         assert ">>>" in jt.tag_modules.__doc__
@@ -67,6 +68,9 @@ def test_equinox_helpers_are_their_implementations():
 # The core, lowest first: each module imports only modules before it in this list (the split's
 # rules reach the program and the splitter through their arguments, never by import).
 CORE = (
+    "_arrays",
+    "_frameworks",
+    "_paths",
     "_errors",
     "_checks",
     "_version",
@@ -105,9 +109,29 @@ def test_core_modules_import_only_modules_below_them(module):
     assert _jaxtrace_imports(module) <= below, f"jaxtrace.{module} imports {_jaxtrace_imports(module) - below}"
 
 
-def test_tag_error_is_shown_as_jaxtrace_tag_error():
+def test_public_namespaces_list_their_names():
+    """``__all__`` is what each public namespace offers; helpers it imports are not in it."""
     import jaxtrace as jt
-    from jaxtrace._sites import TagError
 
-    assert TagError is jt.TagError and jt.TagError.__module__ == "jaxtrace"
-    assert issubclass(jt.TagError, ValueError)
+    assert set(jt.stats.__all__) == {"STATS", "History", "format_paths", "jacrev", "summarize", "term_name", "value_and_grad"}
+    for name in ("cast", "check_callable", "check_tags"):
+        assert not hasattr(jt.stats, name), name
+    for name in jt.__all__:
+        assert hasattr(jt, name), name
+    assert jt.stats.History.__module__ == "jaxtrace.stats"
+
+
+def test_tag_error_is_named_where_users_import_it():
+    """``jaxtrace.TagError`` in tracebacks and reprs, and a pickle of one loads back as the same class."""
+    import pickle
+    import traceback
+
+    import jax.numpy as jnp
+    import jaxtrace as jt
+
+    assert jt.TagError.__module__ == "jaxtrace" and repr(jt.TagError("x")) == "TagError('x')"
+    with pytest.raises(jt.TagError) as caught:
+        jt.grad(lambda x: jnp.sum(jt.tag(x, "h")), tags="nope")(jnp.ones(2))
+    assert "jaxtrace.TagError: " in "".join(traceback.format_exception(caught.value))
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert type(again) is jt.TagError and str(again) == str(caught.value)

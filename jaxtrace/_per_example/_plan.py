@@ -18,7 +18,8 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from .._module_tags import is_nnx_module, key_name, path_name
+from .._frameworks import is_nnx_module
+from .._paths import key_name, path_name
 from .._tag_modules import tag_module_calls
 from ._rules import Rule, ensure_rules, rule_for
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 
 import flax.linen as nn
-from flax import nnx
 
+from .._frameworks import is_linen_module, is_nnx_module
 from .._module_tags import ModuleTag, Where, parse_where
 from ._nnx import tag_arrays, tag_call_inputs
+
+__all__ = ["tag_modules"]
 
 _API = "jaxtrace.flax.tag_modules"
 
@@ -26,10 +28,10 @@ class _LinenTags(contextlib.ContextDecorator):
     """What ``tag_modules`` returns: a context manager and a decorator."""
 
     def __init__(self, where: Where, inputs: bool):
-        if isinstance(where, (nn.Module, nnx.Module)):
+        if is_linen_module(where) or is_nnx_module(where):
             fix = (
                 "jaxtrace.tag_modules(model) returns a tagged copy of an nnx.Module"
-                if isinstance(where, nnx.Module)
+                if is_nnx_module(where)
                 else "a Linen module is tagged while it runs: `with jaxtrace.flax.tag_modules(): "
                 "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`"
             )

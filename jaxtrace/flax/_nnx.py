@@ -21,13 +21,13 @@ import jax
 from flax import nnx
 from flax.nnx import graph as _graph
 
+from .._arrays import is_key
 from .._module_tags import (
     ModuleTag,
     Where,
     base_class,
     choose,
     is_callable_module,
-    is_key,
     tag_inputs,
     tag_leaves,
     tagged_subclass,
@@ -52,6 +52,8 @@ def tag_call_inputs(args: tuple, name: str) -> tuple:
     """``args`` with the positional arguments that are not graph nodes tagged as ``name``."""
     return tag_inputs(args, name, skip=_is_graph_node, tag_arrays=tag_arrays)
 
+
+__all__ = ["tag_modules", "named_modules", "restore", "tag_arrays", "tag_call_inputs"]
 
 _TAG_ATTR = "_jaxtrace_tag"
 _SUBCLASSES: dict = {}  # (base class, ModuleTag) -> its tagged subclass

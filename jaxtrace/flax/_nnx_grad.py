@@ -18,12 +18,13 @@ from typing import Any, Callable
 
 from flax import nnx
 
-from .. import stats as jt_stats
-from .._ad import jacrev as _jacrev
-from .._ad import value_and_grad as _value_and_grad
+from .. import _stats_option
+from .._ad import grad_result
+from .._frameworks import is_nnx_module
 from .._checks import check_callable
 from .._selection import TagSelection
-from .._stats_option import stat_names
+
+__all__ = ["value_and_grad", "grad", "jacrev"]
 
 
 def _split_model(fun: Callable, model, wrt, aux_wanted: bool, who: str):
@@ -34,7 +35,7 @@ def _split_model(fun: Callable, model, wrt, aux_wanted: bool, who: str):
     change there) and the changed non-``wrt`` state is handed out, for the
     caller to write back with ``nnx.update``.
     """
-    if not isinstance(model, nnx.Module):
+    if not is_nnx_module(model):
         raise TypeError(
             f"Functions wrapped with jaxtrace.flax.{who} take an nnx.Module as "
             f"their first argument, but got {type(model).__name__}. For a pytree of arrays use "
@@ -105,16 +106,13 @@ def value_and_grad(
     """
     check_callable(fun, "jaxtrace.flax.value_and_grad")
     aux_wanted = bool(has_aux)
-    names = stat_names(stats)
+    names = _stats_option.stat_names(stats)
 
     def value_and_grad_fun(model, *args, **kwargs):
         split_fun, diff, rest = _split_model(fun, model, wrt, aux_wanted, "grad or jaxtrace.flax.value_and_grad")
-        if names is None:
-            transform = _value_and_grad(split_fun, 0, has_aux=True, tags=tags, with_values=with_values)
-        else:
-            transform = jt_stats.value_and_grad(
-                split_fun, 0, has_aux=True, tags=tags, stats=names, with_values=with_values
-            )
+        transform = _stats_option.value_and_grad(
+            split_fun, 0, has_aux=True, tags=tags, with_values=with_values, stats=names
+        )
         (value, (aux, new_rest)), grads, *values = transform(diff, rest, *args, **kwargs)
         nnx.update(model, new_rest)
         return (((value, aux) if aux_wanted else value), grads, *values)
@@ -161,9 +159,7 @@ def grad(
     value_and_grad_fun = value_and_grad(fun, has_aux=has_aux, tags=tags, wrt=wrt, with_values=with_values, stats=stats)
 
     def grad_fun(model, *args, **kwargs):
-        value, grads, *values = value_and_grad_fun(model, *args, **kwargs)
-        result = (grads, value[1]) if has_aux else grads
-        return (*result, *values)
+        return grad_result(value_and_grad_fun(model, *args, **kwargs), has_aux)
 
     return grad_fun
 
@@ -215,14 +211,11 @@ def jacrev(
     """
     check_callable(fun, "jaxtrace.flax.jacrev")
     aux_wanted = bool(has_aux)
-    names = stat_names(stats)
+    names = _stats_option.stat_names(stats)
 
     def jacrev_fun(model, *args, **kwargs):
         split_fun, diff, rest = _split_model(fun, model, wrt, aux_wanted, "jacrev")
-        if names is None:
-            transform = _jacrev(split_fun, 0, has_aux=True, tags=tags)
-        else:
-            transform = jt_stats.jacrev(split_fun, 0, has_aux=True, tags=tags, stats=names)
+        transform = _stats_option.jacrev(split_fun, 0, has_aux=True, tags=tags, stats=names)
         result, (aux, new_rest) = transform(diff, rest, *args, **kwargs)
         nnx.update(model, new_rest)
         return (result, aux) if aux_wanted else result

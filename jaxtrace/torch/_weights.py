@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .._module_tags import is_nnx_module
+from .._frameworks import is_nnx_module
 from ._rules import Assign, PlanError, follow, full_name, identity, rule_for, show_steps
 from ._tensors import to_numpy
 

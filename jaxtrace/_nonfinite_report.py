@@ -1,0 +1,291 @@
+"""``NonfiniteReport``: what ``jaxtrace.find_nonfinite`` found, read and told on the host.
+
+Its leaves are one small integer per tag for the values and for the gradients (the first
+non-finite entry, coded as ``2 * flat index + is_inf``, or ``NONE``); which tag is which and where
+each sits in the program is static, in its tree structure, so the report can leave ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+import jax
+import numpy as np
+
+from . import _compat
+from ._nonfinite_order import entry_order
+from ._sites import Site
+
+__all__ = ["NONE", "NonfiniteAt", "NonfiniteReport", "ReportMeta", "TagInfo", "source"]
+
+NONE = np.iinfo(np.int32).max  # the code of a tag with no non-finite entry
+
+
+# --- static description of the tags ------------------------------------------------------------
+
+
+def source(site: Site, module: bool) -> str:
+    """``file:line`` of the ``jt.tag`` call(s), or the module path for a ``tag_modules`` tag."""
+    if module:
+        return site.name
+    lines = []
+    for entry in site.sources:
+        match = re.match(r"^(.*?):(\d+)(?::\d+)?(?: \(.*\))?$", entry)
+        lines.append(f"{match.group(1)}:{match.group(2)}" if match else entry)
+    return ", ".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class TagInfo:
+    """One tag name, as the report needs it on the host."""
+
+    name: str
+    source: str
+    loops: tuple  # the sizes of its loop axes (outer first)
+    examples: tuple  # the sizes of its vmap axes (outer first)
+    template: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportMeta:
+    """What a report keeps static (in its tree structure): the tags, the parameter paths, ``has_aux``."""
+
+    tags: tuple  # TagInfo per name, in the program's order of first reach
+    params: tuple  # the path of each differentiated leaf
+    has_aux: bool
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NonfiniteAt:
+    """Where a non-finite entry was found: the tag, the entry, and what it is.
+
+    Attributes:
+        name: the tag's name.
+        index: the loop steps (outer loop first) and then the vmapped example(s) of the first
+            non-finite entry; ``()`` for a tag outside loops and ``vmap``.
+        source: ``"file:line"`` of the ``jt.tag`` call, or the module path for ``jt.tag_modules``.
+        kind: ``"NaN"`` or ``"inf"``.
+        steps: the loop part of ``index``.
+        examples: the vmap part of ``index``.
+        loop_kinds: ``"scan step"`` or ``"call"`` (repeated calls) for each entry of ``steps``.
+    """
+
+    name: str
+    index: tuple
+    source: str
+    kind: str
+    steps: tuple = ()
+    examples: tuple = ()
+    loop_kinds: tuple = ()
+
+    def where(self) -> str:
+        """``", scan step 4, example 1"``: the entry, for a sentence."""
+        parts = [f"{kind} {step}" for kind, step in zip(self.loop_kinds, self.steps)]
+        if len(self.examples) == 1:
+            parts.append(f"example {self.examples[0]}")
+        elif self.examples:
+            parts.append(f"example {self.examples} (outer vmap first)")
+        return "".join(", " + p for p in parts)
+
+
+@jax.tree_util.register_pytree_node_class
+class NonfiniteReport:
+    """What ``jaxtrace.find_nonfinite`` found: a pytree, so it can be the output of ``jax.jit``.
+
+    Its leaves are the function's value (and aux) and a few integers per tag; which tag is which,
+    and where each sits in the program, is static (in the tree structure). The properties read the
+    integers on the host.
+
+    Attributes:
+        value: the function's value.
+        aux: its auxiliary output, with ``has_aux=True`` (else ``None``).
+        first_value: ``None`` if every tagged value is finite, else a ``NonfiniteAt`` for the first
+            tag, in the order the program computes them, with a non-finite entry.
+        first_gradient: the same for the gradients (cotangents) at the tags, in the order the
+            backward pass computes them (the reverse of the forward order).
+        params: the paths of the differentiated leaves whose gradient has a non-finite entry.
+        names: the tag names, in the order the program first reaches them.
+    """
+
+    def __init__(self, value, aux, value_codes, gradient_codes, param_bad, meta: ReportMeta):
+        self.value = value
+        self.aux = aux
+        self._value_codes = value_codes
+        self._gradient_codes = gradient_codes
+        self._param_bad = param_bad
+        self._meta = meta
+
+    def tree_flatten(self):
+        return (self.value, self.aux, self._value_codes, self._gradient_codes, self._param_bad), self._meta
+
+    @classmethod
+    def tree_unflatten(cls, meta, children):
+        return cls(*children, meta)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self._meta.tags]
+
+    def _codes(self, codes) -> np.ndarray:
+        if isinstance(codes, _compat.Tracer):
+            raise TypeError(
+                "A NonfiniteReport is read on the host, after the call: its properties cannot be used inside "
+                "jax.jit (or another transform) around jaxtrace.find_nonfinite. Return the report from the "
+                "jitted function and read it there."
+            )
+        codes = np.asarray(codes)
+        if codes.ndim != 1:
+            raise ValueError(
+                f"This NonfiniteReport holds its per-tag entries with shape {codes.shape}, not one per tag: a "
+                "transform around jaxtrace.find_nonfinite (jax.vmap) added axes to them. Put the jax.vmap inside "
+                "the function given to find_nonfinite (the report then names the example), or call it once per batch."
+            )
+        return codes
+
+    def _found(self, codes, backward: bool) -> list[tuple[tuple, NonfiniteAt]]:
+        """``(sort key, NonfiniteAt)`` for every tag with a non-finite entry."""
+        found = []
+        for tag, code in zip(self._meta.tags, self._codes(codes).tolist()):
+            if code == NONE:
+                continue
+            flat, inf = divmod(int(code), 2)
+            shape = (*tag.loops, *tag.examples)
+            index = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
+            steps, examples = index[: len(tag.loops)], index[len(tag.loops) :]
+            if backward:  # the loop axes were reversed on the device
+                steps = tuple(n - 1 - s for n, s in zip(tag.loops, steps))
+            key, kinds = entry_order(tag.template, steps)
+            kind = "inf" if inf else "NaN"
+            found.append((key, NonfiniteAt(tag.name, (*steps, *examples), tag.source, kind, steps, examples, kinds)))
+        return found
+
+    @property
+    def first_value(self) -> NonfiniteAt | None:
+        found = self._found(self._value_codes, backward=False)
+        return min(found, key=lambda f: f[0])[1] if found else None
+
+    @property
+    def first_gradient(self) -> NonfiniteAt | None:
+        found = self._found(self._gradient_codes, backward=True)
+        return max(found, key=lambda f: f[0])[1] if found else None
+
+    @property
+    def params(self) -> list[str]:
+        bad = self._codes(self._param_bad)
+        return [p for p, b in zip(self._meta.params, bad.tolist()) if b]
+
+    def _neighbour(self, at: NonfiniteAt, before: bool) -> NonfiniteAt | None:
+        """The entry the program computes just before (or after) ``at``, among all the tags."""
+        target, _ = entry_order(self._tag(at.name).template, at.steps)
+        best = None
+        for tag in self._meta.tags:
+            size = math.prod(tag.loops)
+            steps_of = lambda flat: tuple(int(i) for i in np.unravel_index(flat, tag.loops)) if tag.loops else ()  # noqa: E731,B023
+            # Entries of one tag are in program order by their flat loop index: a binary search for
+            # the first entry not before (or not at or before) ``at``.
+            lo, hi = 0, size
+            while lo < hi:
+                mid = (lo + hi) // 2
+                key = entry_order(tag.template, steps_of(mid))[0]
+                if key < target or (not before and key == target):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            flat = lo - 1 if before else lo
+            if not 0 <= flat < size:
+                continue
+            key, kinds = entry_order(tag.template, steps_of(flat))
+            if best is None or (key > best[0] if before else key < best[0]):
+                best = (key, NonfiniteAt(tag.name, steps_of(flat), tag.source, "", steps_of(flat), (), kinds))
+        return None if best is None else best[1]
+
+    def _tag(self, name: str) -> TagInfo:
+        return next(t for t in self._meta.tags if t.name == name)
+
+    def __str__(self) -> str:
+        sentences = []
+        value = self.value
+        if isinstance(value, jax.Array | np.ndarray | float) and np.size(value) == 1:
+            number = float(np.asarray(value, dtype=np.float64).reshape(()))
+            if not np.isfinite(number):
+                sentences.append(f"The function's value is {number}.")
+        first = self.first_value
+        if first is None:
+            sentences.append(f"Every tagged value is finite ({_count(len(self._meta.tags), 'tag')}).")
+        else:
+            before = self._neighbour(first, before=True)
+            if before is None:
+                sentences.append(
+                    f"The value at {first.name!r}{_at(first)}{first.where()} is {_a(first.kind)}, and it is "
+                    f"the first tag the program computes: the {first.kind} comes from the inputs or from the code "
+                    "before that tag."
+                )
+            else:
+                sentences.append(
+                    f"The values are finite up to {before.name!r}{_step_note(before, first)} and not at "
+                    f"{first.name!r}{_at(first)}{first.where()}: the {first.kind} begins in the code between them."
+                )
+        gradient = self.first_gradient
+        if gradient is None:
+            sentences.append("Every gradient at the tags is finite.")
+        else:
+            after = self._neighbour(gradient, before=False)
+            only = " Every tagged value is finite: it appears only in the backward pass." if first is None else ""
+            if after is None:
+                sentences.append(
+                    f"The gradient at {gradient.name!r}{_at(gradient)}{gradient.where()} is "
+                    f"{_a(gradient.kind)}, and it is the last tag the program computes: the {gradient.kind} comes "
+                    f"from the backward pass of the code after that tag.{only}"
+                )
+            else:
+                sentences.append(
+                    f"The gradients are finite down to {after.name!r}{_step_note(after, gradient)} and not at "
+                    f"{gradient.name!r}{_at(gradient)}{gradient.where()}: the {gradient.kind} begins in "
+                    f"the backward pass of the code between them.{only}"
+                )
+            if first is None:
+                sentences.append(
+                    "Look there for a derivative that is infinite at a finite point: jnp.sqrt or a power below 1 "
+                    "at 0, or jnp.log or a division in the branch that jnp.where does not take (compute it on a "
+                    "safe input instead)."
+                )
+        params = self.params
+        if params:
+            shown = ", ".join(repr(p) if p else "the argument itself" for p in params[:8])
+            shown += f" and {len(params) - 8} more" if len(params) > 8 else ""
+            sentences.append(f"Non-finite entries in the gradient of {shown}.")
+        elif self._meta.params:
+            sentences.append("Every parameter gradient is finite.")
+        return " ".join(sentences)
+
+    def __repr__(self) -> str:
+        return f"NonfiniteReport({self})"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind == "inf" else f"a {kind}"
+
+
+def _at(at: NonfiniteAt) -> str:
+    """`` (model.py:41)`` for a tag at ``/path/to/model.py:41``; nothing for a module tag, whose name
+    is its path."""
+    if at.source == at.name:
+        return ""
+    return " (" + ", ".join(os.path.basename(part) for part in at.source.split(", ")) + ")"
+
+
+def _step_note(neighbour: NonfiniteAt, at: NonfiniteAt) -> str:
+    """`` (scan step 3)`` when the neighbouring entry is at other loop steps than ``at``."""
+    if not neighbour.steps or neighbour.steps == at.steps[: len(neighbour.steps)]:
+        return ""
+    return " (" + ", ".join(f"{k} {s}" for k, s in zip(neighbour.loop_kinds, neighbour.steps)) + ")"

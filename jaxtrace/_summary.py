@@ -1,0 +1,348 @@
+"""Statistics of the arrays at tags: their definitions, the one-pass reduction, the per-term table.
+
+``summarize`` reduces each tag's gradient (or value, or Jacobian per loss term) to a few numbers
+inside the traced function; ``format_paths`` prints the tag x term table as text. The transforms
+that differentiate and summarise in one call are in ``_stats_grad``; the public namespace is
+``jaxtrace.stats``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._paths import path_name
+
+STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
+"""The statistics :func:`summarize` computes by default; ``"rms"`` is computed when asked for."""
+
+KNOWN = (*STATS, "rms")
+
+LoopAxes = Union[int, Mapping[str, int], Callable[[str], int]]
+
+__all__ = [
+    "STATS",
+    "KNOWN",
+    "LoopAxes",
+    "summarize",
+    "term_name",
+    "format_paths",
+    "check_stat_names",
+    "term_names_in_order",
+    "in_order",
+]
+
+
+def summarize(
+    values: Mapping[str, Any],
+    *,
+    loop_axes: LoopAxes = 0,
+    stats: str | Sequence[str] = STATS,
+    terms: Any = None,
+) -> dict[str, Any]:
+    """Per-tag summaries of gradients (or any arrays), for use inside ``jax.jit``.
+
+    ``values`` is a dict ``{name: pytree of arrays}``, such as the
+    ``tag_grads`` that ``jaxtrace.grad`` returns. Returns
+    ``{name: {stat: array}}`` with the statistics in ``stats`` (one name
+    from ``STATS``, or a sequence of them), each computed over all entries of
+    all leaves of the tag except its first ``loop_axes`` axes, which are
+    kept: ``loop_axes`` is an int for every tag, a dict ``{name: int}``
+    (missing names: 0) or a function of the name. By jaxtrace's layout rule
+    the leading axes of a tag's gradient are its loop axes (outer loop
+    first), then its vmap axes, so ``loop_axes=1`` for a tag in one
+    ``lax.scan`` gives one value per step, and ``2`` for a tag in a scan over
+    a ``vmap`` gives one per step and example.
+    :func:`value_and_grad` fills in the loop axes from the program itself.
+
+    Norm, rms, mean and max follow NumPy on non-finite input (``nan`` if any
+    entry is ``nan``, else ``inf`` if any is ``inf``). The results have the
+    gradient's real dtype, at least float32, and are accumulated in it: the
+    sums of squares are also taken at two fixed power-of-two scales in the
+    same pass (exact), and the one in range is used, so large finite float32
+    gradients (``|g| > 1e19``, whose squares overflow) and tiny ones (``|g| <
+    1e-19``, whose squares underflow) still give the right norm. A tag with
+    no entries has norm 0 and mean and rms ``nan``. A ``float0`` leaf (the
+    gradient of an integer tag) counts as zeros.
+
+    With ``terms``, ``values`` is the ``tag_jacs`` of :func:`jaxtrace.jacrev`
+    and ``terms`` the function's output (or ``jax.eval_shape`` of it): each
+    tag is then summarised per output leaf ("term"), ``{name: {term: {stat:
+    array}}}``, the term named by its path in the output (``"ce"`` for
+    ``{"ce": ...}``, ``""`` for a single array). The term's own axes are
+    reduced too; ``loop_axes`` counts the tag's loop axes. An exact zero
+    means the term does not reach the tag at all (:func:`format_paths`
+    marks it). :func:`jacrev` does the Jacobian and this split in one call,
+    with no ``terms=``.
+
+    Args:
+        values: ``{name: pytree of arrays}``, such as ``tag_grads``, or the
+            ``tag_jacs`` of ``jaxtrace.jacrev`` with ``terms``.
+        loop_axes: how many leading axes of each tag to keep: an int, a dict
+            ``{name: int}`` (missing names: 0) or a function of the name.
+        stats: one name from ``STATS`` or ``"rms"``, or a sequence of them.
+        terms: the function's output (or ``jax.eval_shape`` of it), to summarise
+            ``tag_jacs`` per output leaf.
+
+    Returns:
+        ``{name: {stat: array}}``, or with ``terms`` ``{name: {term: {stat: array}}}``.
+
+    Raises:
+        ValueError: if a name in ``stats`` is not in ``STATS`` or ``"rms"``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> s = jt.stats.summarize({"h": jnp.array([[3.0, -4.0], [0.0, jnp.inf]])}, loop_axes=1)
+        >>> s["h"]["norm"].tolist(), s["h"]["nonfinite"].tolist()
+        ([5.0, inf], [0.0, 0.5])
+    """
+    stats = check_stat_names(stats)
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            "jaxtrace.stats.summarize takes a dict {name: pytree of arrays} (such as tag_grads), "
+            f"got {type(values).__name__}. Wrap a single tree as {{'name': tree}}."
+        )
+    if terms is not None:
+        # OrderedDicts: jax.jit hands them back in this order (plain dicts come back sorted by key).
+        return collections.OrderedDict(
+            (name, _per_term(name, value, terms, _axes_for(loop_axes, name), stats)) for name, value in values.items()
+        )
+    return {name: _summarize_one(name, value, _axes_for(loop_axes, name), stats) for name, value in values.items()}
+
+
+def term_name(path) -> str:
+    """A term's name from its path in the output: ``"ce"``, ``"losses.0"``, ``""`` for the root.
+
+    Args:
+        path: a pytree path, as ``jax.tree_util.tree_flatten_with_path`` gives it.
+
+    Returns:
+        The keys, attribute names and indices of ``path`` joined by dots.
+
+    Example:
+        >>> import jax, jaxtrace as jt
+        >>> [jt.stats.term_name(p) for p, _ in jax.tree_util.tree_flatten_with_path({"ce": 1.0, "losses": [2.0]})[0]]
+        ['ce', 'losses.0']
+    """
+    return path_name(path)
+
+
+def _per_term(name: str, value, terms, keep: int, stats: tuple) -> dict:
+    """``{term: {stat: array}}`` for one tag of ``tag_jacs``: the output's leaves split off first."""
+    paths_and_leaves, structure = jax.tree_util.tree_flatten_with_path(terms)
+    try:
+        parts = structure.flatten_up_to(value)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"jaxtrace.stats.summarize: tag_jacs[{name!r}] does not have the structure of terms= "
+            f"({structure}) at its top. Pass the output of the function given to jt.jacrev (or "
+            "jax.eval_shape of it) as terms=."
+        ) from None
+    out = {}
+    for (path, leaf), part in zip(paths_and_leaves, parts):
+        n = len(np.shape(leaf))
+        # The term's own axes come first in a Jacobian; move them behind the tag's loop axes.
+        moved = jax.tree_util.tree_map(lambda a: jnp.moveaxis(jnp.asarray(_as_float(a)), tuple(range(n)), tuple(range(-n, 0))), part)
+        out[term_name(path)] = _summarize_one(f"{name}/{term_name(path)}", moved, keep, stats)
+    return in_order(out, term_names_in_order(terms))
+
+
+def term_names_in_order(tree, prefix: tuple = ()) -> list[str]:
+    """The term names of an output, dicts in the order the function built them (JAX sorts dict keys)."""
+    if type(tree) in (dict, collections.OrderedDict):
+        return [n for key, sub in tree.items() for n in term_names_in_order(sub, (*prefix, str(key)))]
+    if type(tree) in (list, tuple):
+        return [n for i, sub in enumerate(tree) for n in term_names_in_order(sub, (*prefix, str(i)))]
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [".".join((*prefix, term_name(path))) if path else ".".join(prefix) for path, _ in leaves]
+
+
+def in_order(per_term: dict, order: list[str]) -> collections.OrderedDict:
+    """``per_term`` with its terms in ``order`` first (the order the loss built them), then the rest."""
+    known = [t for t in dict.fromkeys(order) if t in per_term]
+    return collections.OrderedDict((t, per_term[t]) for t in known + [t for t in per_term if t not in known])
+
+
+def format_paths(
+    table: Mapping[str, Mapping[str, Mapping[str, Any]]], stat: str = "norm", tags: Sequence[str] | None = None
+) -> str:
+    """The tag x term table of :func:`summarize` ``(tag_jacs, terms=...)`` as text.
+
+    One row per tag, in ``tags`` order if given, else the table's, and one
+    column per term, in the table's order: :func:`jacrev` and ``summarize``
+    keep the tags in the order the program reached them and the terms in the
+    order the loss built them, under ``jax.jit`` too. Each cell is ``stat``
+    (the largest over kept loop axes). A term that does not reach a tag at
+    all (exactly zero) shows as ``0 (none)``: a detached path (a stray
+    ``stop_gradient``) looks like that.
+
+    Args:
+        table: what ``summarize(tag_jacs, terms=...)`` returns.
+        stat: the statistic to show.
+        tags: the rows, in order (default: the table's).
+
+    Returns:
+        The table as text, one line per tag.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxtrace as jt
+        >>> table = {"h": {"ce": {"norm": jnp.float32(0.5)}, "aux": {"norm": jnp.float32(0.0)}}}
+        >>> print(jt.stats.format_paths(table))
+        tag  ce        aux
+        h    0.5       0 (none)
+    """
+    names = list(table) if tags is None else list(tags)
+    terms = list(dict.fromkeys(t for name in names for t in table[name]))
+    rows = [["tag", *[t or "(output)" for t in terms]]]
+    for name in names:
+        row = [name or '""']
+        for term in terms:
+            cell = table[name].get(term, {}).get(stat)
+            if cell is None:
+                row.append("-")
+                continue
+            cell = np.asarray(cell)
+            if np.all(cell == 0):
+                row.append("0 (none)")
+            else:
+                row.append(f"{float(np.nanmax(cell)):.3g}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths[1:-1] = [max(w, 8) for w in widths[1:-1]]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def check_stat_names(stats: str | Sequence[str]) -> tuple:
+    """``stats=`` as a tuple of known names; one name alone (``"norm"``) is a one-element tuple."""
+    if isinstance(stats, str):
+        stats = (stats,)
+    elif isinstance(stats, (bytes, bytearray)) or not isinstance(stats, Iterable):
+        raise TypeError(
+            f"jaxtrace.stats: stats= must be a statistic name or a sequence of names from {KNOWN}; "
+            f"got {stats!r} of type {type(stats).__name__}. Pass e.g. stats=\"norm\" or stats=(\"norm\", \"max_abs\")."
+        )
+    stats = tuple(stats)
+    unknown = [s for s in stats if s not in KNOWN]
+    if unknown:
+        raise ValueError(
+            f"jaxtrace.stats: unknown statistic(s) {', '.join(map(repr, unknown))}. Choose from {KNOWN}, "
+            "as one name or a sequence of names."
+        )
+    return stats
+
+
+def _axes_for(loop_axes: LoopAxes, name: str) -> int:
+    if isinstance(loop_axes, Mapping):
+        n = loop_axes.get(name, 0)
+    elif callable(loop_axes):
+        n = loop_axes(name)
+    else:
+        n = loop_axes
+    if not isinstance(n, (int, np.integer)) or n < 0:
+        raise TypeError(f"jaxtrace.stats.summarize: loop_axes for {name!r} must be an int >= 0, got {n!r}.")
+    return int(n)
+
+
+def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
+    leaves = jax.tree_util.tree_leaves(value)
+    if not leaves:
+        raise ValueError(f"jaxtrace.stats.summarize: the value for {name!r} has no arrays.")
+    shapes = [np.shape(leaf) for leaf in leaves]
+    if any(len(s) < keep for s in shapes):
+        raise ValueError(
+            f"jaxtrace.stats.summarize: loop_axes={keep} for {name!r}, but it has a leaf of shape "
+            f"{min(shapes, key=len)}. Keep at most as many axes as the value has."
+        )
+    kept = {s[:keep] for s in shapes}
+    if len(kept) > 1:
+        raise ValueError(
+            f"jaxtrace.stats.summarize: the leaves of {name!r} have different leading axes {sorted(kept)} "
+            f"(shapes {shapes}), so they cannot be summarised per step with loop_axes={keep}."
+        )
+    (kept_shape,) = kept
+    axes_of = [tuple(range(keep, len(s))) for s in shapes]
+    floats = [_as_float(leaf) for leaf in leaves]
+    dtype = jnp.result_type(*[jnp.finfo(f.dtype).dtype for f in floats])  # complex64 -> float32
+    # |g| where a statistic needs it; the squares come from g itself (no |g| array to keep for them)
+    mags = [jnp.abs(f).astype(dtype) for f in floats] if {"mean_abs", "max_abs", "nonfinite"} & set(stats) else []
+    reals = [f.astype(dtype) if not jnp.iscomplexobj(f) else None for f in floats]
+    count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
+    empty = _is_empty(count)
+
+    # One all-reduce round when sharded: every statistic is a sum (or the max) of an elementwise
+    # function of g, with no data-dependent scaling before the reduction, so the reductions are
+    # independent (XLA may fuse them into one loop; XLA:CPU runs them one by one) and XLA
+    # combines their all-reduces with the gradients'. Sums of squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19)
+    # where the norm does not; they are also summed at fixed power-of-two scales (exact), and
+    # the one in range is picked after the reduction.
+    def total(fn):
+        return functools.reduce(jnp.add, [jnp.sum(fn(m), axis=ax) for m, ax in zip(mags, axes_of)])
+
+    def total_sq(scale):  # sum of |g * scale|**2, from g (complex: from |g|)
+        sq = lambda v: jnp.square(v * scale) if scale != 1 else jnp.square(v)  # noqa: E731
+        parts = [jnp.sum(sq(r if r is not None else jnp.abs(f).astype(dtype)), axis=ax) for r, f, ax in zip(reals, floats, axes_of)]
+        return functools.reduce(jnp.add, parts)
+
+    exponent = jnp.finfo(dtype).maxexp  # float32: 128, float64: 1024
+    # Squares of |g| * down stay finite for every finite |g|, and are used only when the plain sum
+    # overflowed (the entries they lose to underflow are ~2**-exponent of it); squares of |g| * up
+    # are used only when the plain sum is below tiny, where they cannot overflow.
+    down, up, tiny = 2.0 ** -(3 * exponent // 4), 2.0 ** (exponent // 2), 2.0 ** -(exponent // 2 - 4)
+    out = {}
+    if "norm" in stats or "rms" in stats:
+        mid, hi, lo = total_sq(1), total_sq(down), total_sq(up)
+        use_hi, use_lo = jnp.isinf(mid), mid < tiny
+        sq, mid_sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid)), mid
+        scale = jnp.where(use_hi, 1 / down, jnp.where(use_lo, 1 / up, 1.0)).astype(dtype)
+        if "norm" in stats:
+            out["norm"] = (scale * _sqrt(sq)).astype(dtype)
+        if "rms" in stats:
+            out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
+    if "mean_abs" in stats:
+        mid_abs, hi = total(lambda m: m), total(lambda m: m * down)
+        mean = jnp.where(jnp.isinf(mid_abs), (hi / count) / down, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
+        out["mean_abs"] = mean.astype(dtype)
+    if "max_abs" in stats:
+        # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
+        filled = [(m, ax) for m, ax in zip(mags, axes_of) if not _is_empty(math.prod(m.shape[keep:]))]
+        top = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax) for m, ax in filled], jnp.zeros(kept_shape, dtype))
+        # nan explicitly rather than rely on how the backend's max reduction treats it: a sum
+        # computed anyway is nan exactly when an entry is (inf + nan is nan), else a count of them,
+        # in the same round as the sums.
+        if "norm" in stats or "rms" in stats:
+            any_nan = jnp.isnan(mid_sq)
+        elif "mean_abs" in stats:
+            any_nan = jnp.isnan(mid_abs)
+        else:
+            any_nan = total(lambda m: jnp.isnan(m).astype(dtype)) > 0
+        out["max_abs"] = jnp.where(any_nan, jnp.nan, top).astype(dtype)
+    if "nonfinite" in stats:
+        bad = total(lambda m: (~jnp.isfinite(m)).astype(dtype))
+        out["nonfinite"] = (bad / count if not empty else jnp.zeros(kept_shape)).astype(dtype)
+    return {s: out[s] for s in stats}
+
+
+def _sqrt(x):
+    """``sqrt`` of a sum of squares, with a finite derivative (not ``inf``) at 0; ``nan`` stays ``nan``."""
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1.0)), x)
+
+
+def _is_empty(count) -> bool:
+    """No entries: a symbolic size (jax.export) is at least 1."""
+    return isinstance(count, (int, np.integer)) and count == 0
+
+
+def _as_float(leaf):
+    if getattr(leaf, "dtype", None) == jax.dtypes.float0:
+        return jnp.zeros(np.shape(leaf), jnp.float32)
+    leaf = jnp.asarray(leaf)
+    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
+        return leaf
+    return leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
