@@ -30,6 +30,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxtrace as jt  # noqa: E402
+from oracles import eps_oracle, plus_eps  # noqa: E402  (tests/ is on the path: this script's folder)
 
 jax.config.update("jax_enable_x64", True)
 
@@ -77,11 +78,11 @@ def mlp_loss(params, x, y, mark, constrain):
     return jnp.mean((out - y) ** 2)
 
 
-def eps_oracle(loss, params, x, y, shapes):
-    """Leaf and tag gradients of ``loss`` written with explicit ``+ eps``, on one device."""
+def mlp_oracle(loss, params, x, y, shapes):
+    """Leaf and tag gradients of ``loss`` by the ``+ eps`` oracle (``oracles.eps_oracle``), on one device."""
     eps = {k: jnp.zeros(s) for k, s in shapes.items()}
-    marked = lambda p, e, x, y: loss(p, x, y, lambda v, n: v + e[n], lambda v: v)  # noqa: E731
-    return jax.jit(jax.grad(marked, argnums=(0, 1)))(*on_one_device((params, eps, x, y)))
+    marked = lambda p, e, x, y: loss(p, x, y, plus_eps(e), lambda v: v)  # noqa: E731
+    return eps_oracle(marked, *on_one_device((params, eps, x, y)), argnums=(0, 1), wrap=jax.jit)
 
 
 @check
@@ -96,7 +97,7 @@ def data_parallel_step():
         value, (grads, tag_grads) = jt.value_and_grad(loss)(params, x, y)
         return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value, tag_grads
 
-    want_grads, want_tags = eps_oracle(mlp_loss, PARAMS, X, Y, {"h": (16, 4), "out": (16, 2)})
+    want_grads, want_tags = mlp_oracle(mlp_loss, PARAMS, X, Y, {"h": (16, 4), "out": (16, 2)})
     params = put(PARAMS, mesh, {"w1": P(), "b1": P(), "w2": P()})
     x, y = put((X, Y), mesh, (P(("data", "model")),) * 2)
     plain_grads = jax.jit(jax.grad(loss))(params, x, y)
@@ -130,7 +131,7 @@ def model_parallel(mode):
 
     matmul = matmul_explicit if mode == AxisType.Explicit else jnp.matmul
     tagged = lambda p, x, y: loss(p, x, y, jt.tag, matmul)  # noqa: E731
-    want_grads, want_tags = eps_oracle(
+    want_grads, want_tags = mlp_oracle(
         lambda p, x, y, mark, _: loss(p, x, y, mark, jnp.matmul), PARAMS, X, Y, {"h": (16, 4), "out": (16, 2)}
     )
     params = put(PARAMS, mesh, specs)
@@ -274,8 +275,8 @@ def stats_one_all_reduce_round():
     def hand(stats):
         def step(p, x, y):
             eps = {"h": jnp.zeros((16, 4), jnp.float32), "out": jnp.zeros((16, 2), jnp.float32)}
-            marked = lambda p, e: mlp_loss(p, x, y, lambda v, n: v + e[n], lambda v: v)  # noqa: E731
-            value, (grads, tag_grads) = jax.value_and_grad(marked, argnums=(0, 1))(p, eps)
+            marked = lambda p, e: mlp_loss(p, x, y, plus_eps(e), lambda v: v)  # noqa: E731
+            value, (grads, tag_grads) = eps_oracle(marked, p, eps, argnums=(0, 1), value=True)
             return value, grads, {n: hand_stats(g, stats) for n, g in tag_grads.items()}
 
         return step
@@ -347,7 +348,7 @@ def shard_map_varying_values():
     for check_vma in (True, False):
         tagged = lambda w, x: smap(tagged_body, mesh, in_specs, P(), check_vma)(x, w)  # noqa: E731
         with_eps = lambda w, x, e: smap(eps_body, mesh, (*in_specs, eps_specs), P(), check_vma)(x, w, e)  # noqa: E731
-        want_w, want_tags = jax.jit(jax.grad(with_eps, argnums=(0, 2)))(W, X, eps)
+        want_w, want_tags = eps_oracle(with_eps, W, X, eps, argnums=(0, 2), wrap=jax.jit)
         if check_vma:  # sin(t * w) is the same on every 'data' shard: one value, its gradient in equal shares
             want_tags["s"] = jnp.broadcast_to(want_tags["s"].mean(0, keepdims=True), eps["s"].shape)
         for wrap in (jax.jit, lambda f: f):
@@ -391,7 +392,7 @@ def shard_map_replicated_value():
                 close(tag_grads["v"], np.broadcast_to(total / 4, (4, 3, 4)), "v: each entry")
             else:  # each shard's copy is its own value
                 with_eps = lambda e: smap(eps_body, mesh, (P("data"), P(), P("data")), P(), False)(X, W, e)  # noqa: E731
-                close(tag_grads["v"], jax.grad(with_eps)(jnp.zeros((4, 3, 4))), "v: per shard")
+                close(tag_grads["v"], eps_oracle(with_eps, jnp.zeros((4, 3, 4))), "v: per shard")
 
 
 @check

@@ -11,14 +11,14 @@
 Speed itself is measured by ``benchmarks/run.py``, never asserted here.
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import jaxtrace as jt
+
+import oracles
 
 WS = [jnp.eye(4) * 0.5 + 0.1 * i for i in range(3)]
 X = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
@@ -27,26 +27,10 @@ XS = jnp.linspace(-1.0, 1.0, 40).reshape(5, 2, 4)
 
 def hlo(fun, *args) -> str:
     """Compiled HLO text without metadata, file tables or instruction numbering."""
-    text = jax.jit(fun).lower(*args).compile().as_text()
-    text = re.sub(r", metadata=\{[^}]*\}", "", text)
-    text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
-    text = re.sub(r"^HloModule \S+", "HloModule m", text, flags=re.M)
-    names: dict = {}
-    return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
+    return oracles.hlo(fun, *args, renumber=True)
 
 
-def instructions(fun, *args) -> list:
-    """The compiled program's instructions, numbering stripped, in sorted order.
-
-    For loops, where XLA may schedule two independent instructions in either
-    order depending on the order they were traced in.
-    """
-    text = jax.jit(fun).lower(*args).compile().as_text()
-    text = re.sub(r", metadata=\{[^}]*\}", "", text)
-    text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
-    text = re.sub(r"^HloModule .*$", "", text, flags=re.M)
-    text = re.sub(r"(%?[A-Za-z_][\w\-]*)\.\d+", r"\1", text)
-    return sorted(line.strip() for line in text.splitlines() if line.strip())
+instructions = oracles.hlo_instructions  # sorted, for loops whose independent instructions XLA may reorder
 
 
 def memory(fun, *args):

@@ -9,7 +9,6 @@ same network with the same weights.
 
 import copy
 import pickle
-import re
 
 import equinox as eqx
 import jax
@@ -19,6 +18,8 @@ import pytest
 from jax import lax
 
 import jaxtrace as jt
+
+from oracles import eps_oracle, hlo, zeros_like
 
 jax.config.update("jax_enable_x64", True)
 
@@ -41,10 +42,6 @@ def assert_close(actual, expected, tol=1e-12):
 
 def params(model):
     return jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))
-
-
-def zeros_like_tags(tag_grads):
-    return jax.tree_util.tree_map(jnp.zeros_like, tag_grads)
 
 
 class NoEps:
@@ -149,13 +146,21 @@ def mlp_loss(model, x, y):
     return jnp.sum((model(x) - y) ** 2)
 
 
+def mlp_by_hand(model, x, eps, inputs=True):
+    """An ``eqx.nn.MLP`` run layer by layer with ``+ eps[name]`` at each layer's output and the MLP's
+    (``"layers.i"``, ``""``) and, with ``inputs``, at their inputs (``"layers.i:in"``, ``":in"``):
+    ``(output, the layers' outputs)``."""
+    h, outs = (x + eps[":in"] if inputs else x), []
+    for i, layer in enumerate(model.layers):
+        h = layer(h + eps[f"layers.{i}:in"] if inputs else h) + eps[f"layers.{i}"]
+        outs.append(h)
+        h = model.activation(h) if i < len(model.layers) - 1 else model.final_activation(h)
+    return h + eps[""], outs
+
+
 def mlp_oracle(model, eps, x, y):
     """``mlp_loss`` with ``+ eps`` at every module input and output, by hand."""
-    h = x + eps[":in"]
-    for i, layer in enumerate(model.layers):
-        h = layer(h + eps[f"layers.{i}:in"]) + eps[f"layers.{i}"]
-        h = model.activation(h) if i < len(model.layers) - 1 else model.final_activation(h)
-    return jnp.sum((h + eps[""] - y) ** 2)
+    return jnp.sum((mlp_by_hand(model, x, eps)[0] - y) ** 2)
 
 
 def test_mlp_against_oracle(maybe_jit):
@@ -165,7 +170,7 @@ def test_mlp_against_oracle(maybe_jit):
     value0, grads0 = maybe_jit(eqx.filter_value_and_grad(mlp_loss))(model, x, y)
     assert np.isclose(value, value0, rtol=1e-14)
     assert_close(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads0))
-    expected = maybe_jit(jax.grad(mlp_oracle, argnums=1))(model, zeros_like_tags(tag_grads), x, y)
+    expected = eps_oracle(mlp_oracle, model, zeros_like(tag_grads), x, y, argnums=1, wrap=maybe_jit)
     assert set(tag_grads) == {":in", "", *(f"layers.{i}{s}" for i in range(3) for s in ("", ":in"))}
     assert_close(tag_grads, expected)
 
@@ -241,7 +246,7 @@ def test_builtin_layers_against_oracle(maybe_jit):
     assert [g.shape for g in tag_grads["attn:in"]] == [(3, 6)] * 3
 
     oracle = lambda eps, model, x: jnp.sum(jnp.sin(model(x, eps)))
-    expected = maybe_jit(jax.grad(oracle))(zeros_like_tags(tag_grads), model, x)
+    expected = eps_oracle(oracle, zeros_like(tag_grads), model, x, wrap=maybe_jit)
     assert_close(tag_grads, expected)
     assert_close(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(eqx.filter_grad(zoo_loss)(model, x)))
 
@@ -306,9 +311,9 @@ def test_batchnorm_state_against_oracle(maybe_jit):
     )
     # Per-example gradients: the vmap axis comes first; State is never tagged.
     assert tag_grads["1"].shape == (5, 4) and tag_grads[":in"].shape == (5, 3)
-    eps = {k: v for k, v in zeros_like_tags(tag_grads).items() if k != ":in"}
+    eps = {k: v for k, v in zeros_like(tag_grads).items() if k != ":in"}
     eps[":in"] = jnp.zeros_like(x)
-    expected, expected_state = maybe_jit(jax.grad(bn_oracle, has_aux=True))(eps, model, clone(state), x)
+    expected, expected_state = eps_oracle(bn_oracle, eps, model, clone(state), x, has_aux=True, wrap=maybe_jit)
     assert_close(tag_grads, expected)
     (value0, state0), grads0 = eqx.filter_value_and_grad(bn_loss, has_aux=True)(model, clone(state), x)
     assert np.isclose(value, value0, rtol=1e-14)
@@ -339,7 +344,7 @@ def test_weight_sharing_and_python_loop_are_stacked(maybe_jit):
     grads, tag_grads = maybe_jit(jt.filter_grad(loss))(jt.tag_modules(model, ["lin", "cell"]), xs)
     assert tag_grads["lin"].shape == (2, 3) and tag_grads["cell"].shape == (3, 3)
     oracle = lambda eps, m, xs: jnp.sum(m(xs, eps) ** 3)
-    assert_close(tag_grads, maybe_jit(jax.grad(oracle))(zeros_like_tags(tag_grads), model, xs))
+    assert_close(tag_grads, eps_oracle(oracle, zeros_like(tag_grads), model, xs, wrap=maybe_jit))
 
 
 def test_cell_in_scan_is_stacked_per_step():
@@ -356,7 +361,7 @@ def test_cell_in_scan_is_stacked_per_step():
 
     grads, tag_grads = jax.jit(jt.filter_grad(loss))(jt.tag_modules(cell), xs)
     assert tag_grads[""].shape == (5, 3)
-    assert_close(tag_grads, jax.grad(oracle)(zeros_like_tags(tag_grads), cell, xs))
+    assert_close(tag_grads, eps_oracle(oracle, zeros_like(tag_grads), cell, xs))
 
 
 # --- per-example gradients: vmap over jt.filter_grad ------------------------------
@@ -420,7 +425,7 @@ def test_optax_training_step():
     shapes.update({f"layers.{i}:in": (3 if i == 0 else 5,) for i in range(3)})
     eps = {k: jnp.zeros((4, *s)) for k, s in shapes.items()}
     oracle = lambda eps, m: jnp.mean(jax.vmap(mlp_oracle, in_axes=(None, 0, 0, 0))(m, eps, xs, ys))
-    expected = jax.grad(oracle)(eps, before)
+    expected = eps_oracle(oracle, eps, before)
     assert set(tag_grads) == {"layers.0", "layers.1"}
     assert_close(tag_grads, {k: expected[k] for k in tag_grads})
 
@@ -450,13 +455,10 @@ def test_original_untouched_and_attribute_access():
     assert type(twice.layers[0]) is type(twice.layers[1])  # one subclass per class
 
 
-def _hlo(model, loss, *args):
+def filter_grad_hlo(model, loss, *args):
+    """The compiled program of ``eqx.filter_grad(loss)(model, *args)``, as ``oracles.hlo`` reads it."""
     dynamic, static = eqx.partition(model, eqx.is_array)
-    fun = jax.jit(lambda dynamic, *args: eqx.filter_grad(loss)(eqx.combine(dynamic, static), *args))
-    text = fun.lower(dynamic, *args).compile().as_text()
-    text = re.sub(r", metadata=\{[^}]*\}", "", text)
-    text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
-    return re.sub(r"^HloModule \S+", "HloModule m", text, flags=re.M)
+    return hlo(lambda dynamic, *args: eqx.filter_grad(loss)(eqx.combine(dynamic, static), *args), dynamic, *args)
 
 
 def test_tagged_model_compiles_to_the_same_program():
@@ -464,7 +466,7 @@ def test_tagged_model_compiles_to_the_same_program():
     model = bn_model()
     loss = lambda m, state, x: bn_loss(m, state, x)[0]
     args = (eqx.nn.State(model), jnp.ones((5, 3)))
-    assert _hlo(jt.tag_modules(model, inputs=True), loss, *args) == _hlo(model, loss, *args)
+    assert filter_grad_hlo(jt.tag_modules(model, inputs=True), loss, *args) == filter_grad_hlo(model, loss, *args)
 
 
 def test_serialisation_round_trip(tmp_path):
@@ -671,6 +673,20 @@ class _Stack(eqx.Module):
         return x
 
 
+def block_by_hand(m, e, x):
+    """A ``_Block`` run by hand with ``+ eps`` at each call of each hook point: ``e["n"]`` at the two
+    calls of ``hook_normalized``, ``e["q"]``, ``e["z"]`` at the attention's, ``e["r"]`` at the residual."""
+    a = m.ln1(x) + e["n"][0]
+    b = m.ln1(2.0 * x) + e["n"][1]
+    z = jnp.tanh(m.attn.proj(a) + e["q"]) + e["z"]
+    return jnp.sum((x + z * b + e["r"]) ** 2)
+
+
+def block_eps():
+    """Zeros for each of ``block_by_hand``'s perturbations."""
+    return {"n": jnp.zeros((2, 3)), "q": jnp.zeros(3), "z": jnp.zeros(3), "r": jnp.zeros(3)}
+
+
 def test_hook_points_are_tagged_by_path_and_repeated_calls_stack(maybe_jit):
     blocks = [_Block(KEYS[0]), _Block(KEYS[1])]
     model = jt.tag_modules(blocks[0], jt.HookPoint)
@@ -686,16 +702,7 @@ def test_hook_points_are_tagged_by_path_and_repeated_calls_stack(maybe_jit):
     np.testing.assert_allclose(acts["hook_normalized"][-1], blocks[0].ln1(2.0 * x), rtol=1e-12)  # TL's "last call"
     # Oracle: + eps at each call of each hook point.
     m = blocks[0]
-
-    def by_hand(e, x):
-        a = m.ln1(x) + e["n"][0]
-        b = m.ln1(2.0 * x) + e["n"][1]
-        q = m.attn.proj(a) + e["q"]
-        z = jnp.tanh(q) + e["z"]
-        return jnp.sum((x + z * b + e["r"]) ** 2)
-
-    zeros = {"n": jnp.zeros((2, 3)), "q": jnp.zeros(3), "z": jnp.zeros(3), "r": jnp.zeros(3)}
-    want = jax.grad(by_hand)(zeros, x)
+    want = eps_oracle(lambda e, x: block_by_hand(m, e, x), block_eps(), x)
     assert_close(
         [tag_grads[k] for k in ["hook_normalized", "attn.hook_q", "attn.hook_z", "hook_resid_post"]],
         [want["n"], want["q"], want["z"], want["r"]],
@@ -713,26 +720,20 @@ def test_hook_points_compose_with_vmap_checkpoint_and_grad():
     model = jt.tag_modules(m, jt.HookPoint)
     xs = jnp.array([[0.3, -1.0, 2.0], [1.0, 0.5, -0.2]])
 
-    def by_hand(e, x):
-        a = m.ln1(x) + e["n"][0]
-        b = m.ln1(2.0 * x) + e["n"][1]
-        z = jnp.tanh(m.attn.proj(a) + e["q"]) + e["z"]
-        return jnp.sum((x + z * b + e["r"]) ** 2)
-
-    zeros = {"n": jnp.zeros((2, 3)), "q": jnp.zeros(3), "z": jnp.zeros(3), "r": jnp.zeros(3)}
     names = {"hook_normalized": "n", "attn.hook_q": "q", "attn.hook_z": "z", "hook_resid_post": "r"}
+    by_hand = lambda e, x: block_by_hand(m, e, x)  # noqa: E731
 
     def loss(m, x):
         return jnp.sum(jax.checkpoint(lambda x: m(x))(x) ** 2)
 
     per_example = jax.vmap(lambda x: jt.filter_grad(loss)(model, x)[1])(xs)
-    want = jax.vmap(lambda x: jax.grad(by_hand)(zeros, x))(xs)
+    want = jax.vmap(lambda x: eps_oracle(by_hand, block_eps(), x))(xs)
     assert_close([per_example[k] for k in names], [want[v] for v in names.values()])
 
     def through(x):  # a function of the gradient at a hook point, differentiated in x
         return jnp.sum(jt.filter_grad(loss)(model, x)[1]["attn.hook_z"] ** 2)
 
-    assert_close(jax.grad(through)(xs[0]), jax.grad(lambda x: jnp.sum(jax.grad(by_hand)(zeros, x)["z"] ** 2))(xs[0]))
+    assert_close(jax.grad(through)(xs[0]), jax.grad(lambda x: jnp.sum(eps_oracle(by_hand, block_eps(), x)["z"] ** 2))(xs[0]))
 
 
 def test_hook_point_is_an_identity_on_pytrees():
@@ -748,16 +749,6 @@ def test_hook_point_is_an_identity_on_pytrees():
 def _mlp_terms(out, h0, y):
     """The issue's scenario: a main loss, and an auxiliary loss read from an intermediate (layers.0)."""
     return {"mse": jnp.mean((out - y) ** 2), "aux": 0.1 * jnp.mean(jnp.tanh(h0) ** 2)}
-
-
-def _mlp_by_hand(model, x, eps):
-    """The oracle: eqx.nn.MLP's layers run by hand, ``+ eps`` at each layer's output and the MLP's."""
-    h, outs = x, []
-    for i, layer in enumerate(model.layers):
-        h = layer(h) + eps[f"layers.{i}"]
-        outs.append(h)
-        h = model.activation(h) if i < len(model.layers) - 1 else model.final_activation(h)
-    return h + eps[""], outs
 
 
 def test_filter_jacrev_on_an_mlp_against_eps(maybe_jit):
@@ -776,7 +767,7 @@ def test_filter_jacrev_on_an_mlp_against_eps(maybe_jit):
     eps0.update({"layers.2": jnp.zeros((4, 2)), "": jnp.zeros((4, 2))})
 
     def by_hand(eps):
-        out, outs = jax.vmap(lambda x, e: _mlp_by_hand(model, x, e))(x, eps)
+        out, outs = jax.vmap(lambda x, e: mlp_by_hand(model, x, e, inputs=False))(x, eps)
         return _mlp_terms(out, outs[0], y)
 
     expected = jax.jacrev(by_hand)(eps0)  # {term: {tag: array}}
@@ -786,7 +777,7 @@ def test_filter_jacrev_on_an_mlp_against_eps(maybe_jit):
     assert not np.any(tag_jacs["layers.1"]["aux"]) and not np.any(tag_jacs[""]["aux"])
     # jac is eqx.filter_jacrev's: the model's floating arrays, None at the activation functions.
     def plain(model, x, y):
-        out, outs = jax.vmap(lambda x: _mlp_by_hand(model, x, NoEps()))(x)
+        out, outs = jax.vmap(lambda x: mlp_by_hand(model, x, NoEps(), inputs=False))(x)
         return _mlp_terms(out, outs[0], y)
 
     assert_close(jac, eqx.filter_jacrev(plain)(tagged, x, y))  # tags are identities to jax.jacrev

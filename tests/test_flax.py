@@ -25,6 +25,7 @@ import jaxtrace as jt  # noqa: E402
 import jaxtrace.flax  # noqa: E402
 
 from conftest import assert_trees_close  # noqa: E402
+from oracles import NnxStack, eps_oracle, nnx_stack_by_hand  # noqa: E402
 
 F64 = jnp.float64
 
@@ -176,44 +177,14 @@ def test_nnx_repeated_calls_stack_against_eps(maybe_jit):
     assert_trees_close(tag_grads["cell"], jax.grad(oracle)(jnp.zeros((2, 5, 3), F64), X))
 
 
-class Block(nnx.Module):
-    def __init__(self, rngs):
-        self.lin = nnx.Linear(3, 3, rngs=rngs, param_dtype=F64)
-
-    def __call__(self, x):
-        return jnp.tanh(self.lin(x))
-
-
-class Stack(nnx.Module):  # a scanned layer stack, as the Flax docs build one
-    def __init__(self, rngs, depth=4):
-        @nnx.split_rngs(splits=depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            return Block(rngs)
-
-        self.blocks = create(rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x, block):
-            return block(x)
-
-        return body(x, self.blocks)
-
-
 def test_nnx_scanned_stack_per_layer_against_eps(maybe_jit):
-    model = Stack(nnx.Rngs(0))
+    model = NnxStack(nnx.Rngs(0))
     _, tag_grads = maybe_jit(jt.grad(mse))(jt.tag_modules(model, ["blocks", "blocks.lin"]), X)
-    w, b = model.blocks.lin.kernel[...], model.blocks.lin.bias[...]
 
-    def oracle(eps, x):
-        def body(x, layer):
-            w, b, e_lin, e_out = layer
-            return jnp.tanh(x @ w + b + e_lin) + e_out, None
+    def oracle(eps, x):  # + eps at each block's Linear (eps[0]) and output (eps[1])
+        return jnp.sum(jnp.sin(nnx_stack_by_hand(model, x, eps[1], eps_lin=eps[0])[0]) ** 2)
 
-        return jnp.sum(jnp.sin(jax.lax.scan(body, x, (w, b, eps[0], eps[1]))[0]) ** 2)
-
-    expected = jax.grad(oracle)(jnp.zeros((2, 4, 5, 3), F64), X)
+    expected = eps_oracle(oracle, jnp.zeros((2, 4, 5, 3), F64), X)
     assert tag_grads["blocks"].shape == (4, 5, 3)  # one entry per layer
     assert_trees_close(tag_grads["blocks.lin"], expected[0])
     assert_trees_close(tag_grads["blocks"], expected[1])

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import assert_trees_close
+from oracles import eps_oracle, plus_eps
 
 import jaxtrace as jt
 
@@ -26,22 +27,15 @@ def tagged(params, x):
     return mlp(params, x, jt.tag)
 
 
-def eps_oracle(fun, zeros_like):
-    """``jax.grad`` of ``fun`` with every mark written as ``value + eps[name]``."""
-
-    def with_eps(params, x, eps):
-        return fun(params, x, lambda v, name: v + eps[name])
-
-    return jax.grad(with_eps, argnums=(0, 2))(PARAMS, X, zeros_like)
-
-
-def zeros_for_mlp():
-    return {"pre": jnp.zeros((5, 4)), "act": jnp.zeros((5, 4))}
+def mlp_oracle():
+    """The ``+ eps`` oracle of ``mlp``: its parameter gradients and its tag gradients."""
+    eps = {"pre": jnp.zeros((5, 4)), "act": jnp.zeros((5, 4))}
+    return eps_oracle(lambda params, x, eps: mlp(params, x, plus_eps(eps)), PARAMS, X, eps, argnums=(0, 2))
 
 
 def test_grad_matches_oracle(maybe_jit):
     grads, tag_grads = maybe_jit(jt.grad(tagged))(PARAMS, X)
-    expected_grads, expected_tags = eps_oracle(mlp, zeros_for_mlp())
+    expected_grads, expected_tags = mlp_oracle()
     assert_trees_close(grads, expected_grads)
     assert_trees_close(tag_grads, expected_tags)
     assert_trees_close(grads, jax.grad(tagged)(PARAMS, X))
@@ -50,7 +44,7 @@ def test_grad_matches_oracle(maybe_jit):
 def test_value_and_grad(maybe_jit):
     value, (grads, tag_grads) = maybe_jit(jt.value_and_grad(tagged))(PARAMS, X)
     assert_trees_close(value, tagged(PARAMS, X))
-    _, expected_tags = eps_oracle(mlp, zeros_for_mlp())
+    _, expected_tags = mlp_oracle()
     assert_trees_close(tag_grads, expected_tags)
 
 
@@ -98,7 +92,7 @@ def test_pytree_tag_keeps_structure_and_dtype(maybe_jit):
     x = jnp.linspace(0.0, 1.0, 3)
     _, tag_grads = maybe_jit(jt.grad(lambda x: f(x, jt.tag)))(x)
     eps = {"a": jnp.zeros(3), "b": jnp.zeros(3, jnp.float32)}
-    expected = jax.grad(lambda e: f(x, lambda v, n: jax.tree.map(jnp.add, v, e)))(eps)
+    expected = eps_oracle(lambda e: f(x, lambda v, n: jax.tree.map(jnp.add, v, e)), eps)  # a pytree tag: + eps leaf by leaf
     assert_trees_close(tag_grads["pair"], expected, rtol=1e-6)
     assert tag_grads["pair"]["b"].dtype == jnp.float32
 
@@ -118,7 +112,7 @@ def test_tags_selection(maybe_jit):
     assert set(maybe_jit(jt.grad(tagged, tags=["pre"]))(PARAMS, X)[1]) == {"pre"}
     assert set(maybe_jit(jt.grad(tagged, tags=lambda n: n.startswith("p")))(PARAMS, X)[1]) == {"pre"}
     assert set(maybe_jit(jt.grad(tagged, tags=()))(PARAMS, X)[1]) == set()
-    _, expected_tags = eps_oracle(mlp, zeros_for_mlp())
+    _, expected_tags = mlp_oracle()
     assert_trees_close(f(PARAMS, X)[1]["act"], expected_tags["act"])
 
 

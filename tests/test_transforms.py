@@ -1,12 +1,11 @@
 """Tags inside JAX constructs (loops, vmap, cond, remat, jit) and composition with
 the user's own transforms, each against an explicit-perturbation oracle."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import assert_trees_close
+from oracles import hlo
 from jax import lax
 
 import jaxtrace as jt
@@ -353,14 +352,6 @@ def test_repeated_tag_inside_scan_body(maybe_jit):
 # --- cost -----------------------------------------------------------------------
 
 
-def _hlo(fun, *args):
-    text = jax.jit(fun).lower(*args).compile().as_text()
-    text = re.sub(r", metadata=\{[^}]*\}", "", text)
-    text = re.sub(r"\n(FileNames|FunctionNames|FileLocations|StackFrames)\n(.+\n)*", "\n", text)
-    text = re.sub(r"^HloModule \S+", "HloModule m", text, flags=re.M)
-    return text
-
-
 @pytest.mark.parametrize("case", ["mlp", "scan", "vmap_axis1", "cond", "vmap_cond"])
 def test_jax_grad_of_tagged_function_compiles_to_same_hlo(case):
     def model(w, x, mark):
@@ -377,7 +368,7 @@ def test_jax_grad_of_tagged_function_compiles_to_same_hlo(case):
 
     tagged = jax.grad(lambda w, x: model(w, x, jt.tag))
     plain = jax.grad(lambda w, x: model(w, x, lambda v, n: v))
-    assert _hlo(tagged, W, XS[0]) == _hlo(plain, W, XS[0])
+    assert hlo(tagged, W, XS[0]) == hlo(plain, W, XS[0])
 
 
 def test_no_retrace_on_second_call():

@@ -75,8 +75,8 @@ except ImportError as _error:  # pragma: no cover - exercised by a test that hid
         "`pip install torch`, takes PyPI's default build, a multi-GB CUDA one on Linux)."
     ) from _error
 
-from ._hooks import grad as grad
-from ._hooks import value_and_grad as value_and_grad
+from ._grad import grad as grad
+from ._grad import value_and_grad as value_and_grad
 from ._weights import load_weights as load_weights
 from ._weights import named_grads as named_grads
 

@@ -8,12 +8,13 @@ names and layouts become Flax's: ``Linear.weight (out, in)`` is
 in, out)``, ``Embedding.weight`` is ``embedding``, a norm's ``weight`` is
 ``scale``, ``BatchNorm``'s ``running_mean`` / ``running_var`` are ``mean`` /
 ``var``; other parameters and floating buffers go to the attribute of their
-own name when the shapes agree.
+own name when the shapes agree. The conversions are one table, ``LAYOUTS``.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,29 +22,49 @@ import torch
 from flax import nnx
 
 from ..flax._nnx import named_modules
+from ._rules import is_hf_conv1d
 from ._tensors import to_numpy
+
+__all__ = ["LAYOUTS", "load_weights"]
+
+
+def _isa(*classes: type) -> Callable[[torch.nn.Module], bool]:
+    return lambda module: isinstance(module, classes)
+
+
+def _keep(value: np.ndarray) -> np.ndarray:
+    return value
+
+
+def _transpose(value: np.ndarray) -> np.ndarray:
+    return value.T
+
+
+def _channels_last(value: np.ndarray) -> np.ndarray:  # torch (out, in, *k) -> Flax (*k, in, out)
+    return np.transpose(value, (*range(2, value.ndim), 1, 0))
+
+
+_BATCH_NORM = torch.nn.modules.batchnorm._BatchNorm
+
+# (which modules, torch's name, Flax's attribute, torch's array -> Flax's): the first entry that
+# matches a module and a name decides; a name no entry matches keeps its name and array.
+LAYOUTS: list[tuple[Callable[[torch.nn.Module], bool], str, str, Callable[[np.ndarray], np.ndarray]]] = [
+    (_isa(torch.nn.Linear), "weight", "kernel", _transpose),
+    (is_hf_conv1d, "weight", "kernel", _keep),  # transformers' Conv1D keeps (in, out): Flax's kernel
+    (_isa(torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d), "weight", "kernel", _channels_last),
+    (_isa(torch.nn.Embedding), "weight", "embedding", _keep),
+    (_isa(torch.nn.LayerNorm, torch.nn.GroupNorm, _BATCH_NORM), "weight", "scale", _keep),
+    (_isa(_BATCH_NORM), "running_mean", "mean", _keep),
+    (_isa(_BATCH_NORM), "running_var", "var", _keep),
+]
 
 
 def _layout(module: torch.nn.Module, name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
-    """The Flax attribute name and array for torch's ``module.<name>``."""
-    if isinstance(module, torch.nn.Linear) and name == "weight":
-        return "kernel", value.T
-    if _is_hf_conv1d(module) and name == "weight":  # transformers' Conv1D keeps (in, out): Flax's kernel
-        return "kernel", value
-    if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and name == "weight":
-        return "kernel", np.transpose(value, (*range(2, value.ndim), 1, 0))
-    if isinstance(module, torch.nn.Embedding) and name == "weight":
-        return "embedding", value
-    norms = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm)
-    if isinstance(module, norms) and name == "weight":
-        return "scale", value
-    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and name in ("running_mean", "running_var"):
-        return {"running_mean": "mean", "running_var": "var"}[name], value
+    """The Flax attribute name and array for torch's ``module.<name>``, from ``LAYOUTS``."""
+    for matches, torch_name, attr, convert in LAYOUTS:
+        if name == torch_name and matches(module):
+            return attr, convert(value)
     return name, value
-
-
-def _is_hf_conv1d(mod) -> bool:
-    return type(mod).__name__ == "Conv1D" and type(mod).__module__.startswith("transformers") and hasattr(mod, "nf")
 
 
 def load_weights(model: nnx.Module, module: torch.nn.Module) -> nnx.Module:
@@ -51,7 +72,17 @@ def load_weights(model: nnx.Module, module: torch.nn.Module) -> nnx.Module:
 
     A tied parameter (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) fills the
     variable at each of its paths that the model has; an ``nnx.Param`` no torch tensor goes
-    into is a warning that names it.
+    into is a warning that names it. ``jaxtrace.torch.load_weights`` calls it for an NNX model.
+
+    Args:
+        model: the ``nnx.Module`` to fill; it is not changed.
+        module: the ``torch.nn.Module`` the values come from.
+
+    Returns:
+        The filled clone of ``model``.
+
+    Raises:
+        ValueError: if a torch tensor has no module or variable of its shape to go into.
     """
     out = nnx.clone(model)
     named = {name: m for name, _, m in named_modules(out)}

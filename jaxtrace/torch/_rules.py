@@ -1,5 +1,6 @@
-"""How torch layers become equinox arrays: the vocabulary of a weight plan, and a registry of
-per-layer rules for the layers whose equinox counterpart is laid out differently.
+"""Torch layers into equinox arrays: the vocabulary of a weight plan and the registry of per-layer rules.
+
+The rules are for the layers whose equinox counterpart is laid out differently.
 
 A plan is a list of ``Assign``: one equinox array, the torch parameters it is made
 from, and a linear map between them (``named_grads`` runs its transpose). ``RULES``
@@ -17,6 +18,11 @@ from typing import Any, Callable
 import equinox as eqx
 import jax.numpy as jnp
 import torch
+
+__all__ = [
+    "Assign", "PlanError", "RULES", "follow", "full_name", "identity", "is_hf_conv1d", "need", "register", "rule_for",
+    "show_steps",
+]
 
 
 class PlanError(ValueError):
@@ -51,6 +57,12 @@ def full_name(prefix: str, name: str) -> str:
 
 def identity(x):
     return x
+
+
+def is_hf_conv1d(mod) -> bool:
+    """Whether ``mod`` is transformers' ``Conv1D`` (GPT-2's projections): a Linear whose weight is
+    stored ``(in, out)``, recognised by name so that transformers need not be imported."""
+    return type(mod).__name__ == "Conv1D" and type(mod).__module__.startswith("transformers") and hasattr(mod, "nf")
 
 
 def need(path, mod, base, target, cls, checks: dict):

@@ -9,6 +9,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+__all__ = ["describe", "flatten", "is_float_tensor", "map_leaves", "np_dtype", "to_numpy"]
+
 
 def flatten(obj, plain: bool = False) -> tuple[list, Callable[[list], Any]]:
     """Leaves of a tuple / list / dict / dataclass nest, and a function that rebuilds it.
@@ -82,6 +84,7 @@ def _join_parts(parts, build):
 
 
 def is_float_tensor(x) -> bool:
+    """Whether ``x`` is a floating (or complex) tensor: one that can have a gradient."""
     return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
 
 
@@ -122,11 +125,13 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def map_leaves(fn, obj):
+    """``obj`` with ``fn`` applied to each leaf, its containers kept."""
     leaves, unflatten = flatten(obj)
     return unflatten([fn(x) for x in leaves])
 
 
 def describe(x) -> str:
+    """``x`` in words for an error message: a tensor's shape and dtype, else its type."""
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
     return f"a {type(x).__name__}"

@@ -1,6 +1,6 @@
-"""``jaxtrace.torch.load_weights`` / ``named_grads``: torch parameters into an equinox model
-(or a Flax NNX one, in ``_nnx``), matched by path, and the model's gradients back under
-torch's names."""
+"""``jaxtrace.torch.load_weights`` / ``named_grads``: torch parameters into an equinox model and back.
+
+Matched by path (a Flax NNX model: ``_nnx``); ``named_grads`` puts the model's gradients under torch's names."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import numpy as np
 import torch
 
 from .._frameworks import is_nnx_module
-from ._rules import Assign, PlanError, follow, full_name, identity, rule_for, show_steps
+from ._rules import Assign, PlanError, follow, full_name, identity, is_hf_conv1d, rule_for, show_steps
 from ._tensors import to_numpy
+
+__all__ = ["load_weights", "named_grads"]
 
 API = "jaxtrace.torch.load_weights"
 
@@ -135,18 +137,13 @@ def _check_leaf(full, base, name, target, leaf):
         )
 
 
-def _is_hf_conv1d(mod) -> bool:
-    """transformers' ``Conv1D`` (GPT-2's projections): a Linear whose weight is stored ``(in, out)``."""
-    return type(mod).__name__ == "Conv1D" and type(mod).__module__.startswith("transformers") and hasattr(mod, "nf")
-
-
 def _layout(full, mod, name, p, base, target, leaf) -> Callable:
     """The map from torch's array to the equinox one (identity, transpose, reshape), or a shape error."""
     conv = isinstance(mod, torch.nn.modules.conv._ConvNd)
     shape, eshape = tuple(p.shape), tuple(leaf.shape)
     if conv and mod.transposed and name == "weight":
         fn = _conv_transpose_weight(mod.groups)  # torch (in, out/g, *k) -> equinox (out, in/g, *k), flipped
-    elif _is_hf_conv1d(mod) and name == "weight" and isinstance(target, eqx.nn.Linear):
+    elif is_hf_conv1d(mod) and name == "weight" and isinstance(target, eqx.nn.Linear):
         fn = _transpose  # Conv1D keeps (in, out); eqx.nn.Linear (out, in), as torch.nn.Linear
     elif shape == eshape:
         fn = identity
@@ -328,12 +325,25 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
     with errors_named(API):
         plan = _plan(model, module, unplaced=unplaced)
         batch_norms = _plan_state(model, module, state)
+    _check_filled(model, plan, unplaced)
+    values = {n: jnp.asarray(to_numpy(p)) for n, p in [*module.named_parameters(), *module.named_buffers()]}
+    if plan:
+        new = [a.fn(*(values[n] for n in a.names)) for a in plan]
+        model = eqx.tree_at(lambda m: [follow(m, a.steps) for a in plan], model, new)
+    if state is None:
+        return model
+    return model, _fill_state(model, state, batch_norms, values)
+
+
+def _check_filled(model, plan: list, unplaced: list) -> None:
+    """Warnings for the torch buffers with no place (``unplaced``) and the concrete arrays of
+    ``model`` that ``plan`` leaves as they are; an error for the abstract arrays it leaves."""
     if unplaced:
         warnings.warn(
             f"{API} did not copy the torch buffer(s) {', '.join(map(repr, unplaced))}: the equinox "
             "modules there have no field of that name. Buffers that hold constants (masks, fill values) are "
             "usually rebuilt by the port and can be left; give the module a field of the buffer's name to copy one.",
-            stacklevel=2,
+            stacklevel=3,
         )
     abstract, concrete = _unfilled(model, plan)
     if abstract:
@@ -348,30 +358,29 @@ def load_weights(model, module: "torch.nn.Module", *, state=None):
             f"{API} left these arrays of the equinox model as they were (no torch parameter or buffer "
             f"goes into them): {', '.join(concrete)}. If one is a weight, it keeps its random init; a torch "
             "parameter tied to another (GPT-2's lm_head.weight) fills every field at its paths.",
-            stacklevel=2,
+            stacklevel=3,
         )
-    values = {n: jnp.asarray(to_numpy(p)) for n, p in [*module.named_parameters(), *module.named_buffers()]}
-    if plan:
-        new = [a.fn(*(values[n] for n in a.names)) for a in plan]
-        model = eqx.tree_at(lambda m: [follow(m, a.steps) for a in plan], model, new)
-    if state is None:
-        return model
-    if batch_norms:
-        norms = [follow(model, steps) for steps, _ in batch_norms]
 
-        def where(s):
-            out = []
-            for bn in norms:
-                mean, var = s.get(bn.ema_state_index)
-                out += [mean, var, s.get(bn.ema_first_time_index)]
-            return out
 
-        new = []
-        for _, path in batch_norms:
-            # Not the first call any more: training goes on from torch's statistics.
-            new += [values[full_name(path, "running_mean")], values[full_name(path, "running_var")], jnp.array(False)]
-        state = eqx.tree_at(where, state, new)
-    return model, state
+def _fill_state(model, state, batch_norms: list, values: dict):
+    """``state`` with the running statistics of the torch BatchNorms at ``batch_norms`` (from
+    ``_plan_state``) in the ``eqx.nn.BatchNorm`` layers of the filled ``model``."""
+    if not batch_norms:
+        return state
+    norms = [follow(model, steps) for steps, _ in batch_norms]
+
+    def where(s):
+        out = []
+        for bn in norms:
+            mean, var = s.get(bn.ema_state_index)
+            out += [mean, var, s.get(bn.ema_first_time_index)]
+        return out
+
+    new = []
+    for _, path in batch_norms:
+        # Not the first call any more: training goes on from torch's statistics.
+        new += [values[full_name(path, "running_mean")], values[full_name(path, "running_var")], jnp.array(False)]
+    return eqx.tree_at(where, state, new)
 
 
 def named_grads(grads, module: "torch.nn.Module") -> dict:

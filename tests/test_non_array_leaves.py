@@ -1,0 +1,105 @@
+"""Models with leaves that are not arrays (an ``eqx.nn.Lambda``, strings, Python numbers): what
+``jt.grad`` says, and what the filter transforms give, ``with_values`` too.
+
+Oracles: the hand-written ``+ eps`` program (``oracles.eps_oracle``) and the plain forward
+values, in float64, eager and under jit; ``jax.vmap`` around.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxtrace as jt
+
+from conftest import assert_trees_close
+from oracles import eps_oracle, zeros_like
+
+F64 = jnp.float64
+X = jnp.linspace(-1.0, 1.0, 12, dtype=F64).reshape(4, 3)
+
+
+# --- an equinox model with an eqx.nn.Lambda ------------------------------------------------
+
+
+def lambda_model():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return eqx.nn.Sequential(
+        [eqx.nn.Linear(3, 5, key=k1, dtype=F64), eqx.nn.Lambda(jnp.tanh), eqx.nn.Linear(5, 2, key=k2, dtype=F64)]
+    )
+
+
+def lambda_loss(model, x):
+    return jnp.sum(jnp.sin(jax.vmap(model)(x)) ** 2)
+
+
+def lambda_oracle(model, eps, x):
+    """The same model written with + eps at each layer's output: (loss, values at the layers)."""
+    l0, l2 = model.layers[0], model.layers[2]
+    h0 = jax.vmap(l0)(x) + eps["0"]
+    h1 = jnp.tanh(h0) + eps["1"]
+    h2 = jax.vmap(l2)(h1) + eps["2"]
+    return jnp.sum(jnp.sin(h2) ** 2), {"0": h0, "1": h1, "2": h2}
+
+
+def _eps(model):
+    _, values = lambda_oracle(model, {"0": 0.0, "1": 0.0, "2": 0.0}, X)
+    return zeros_like(values)
+
+
+def test_jt_grad_on_a_model_with_a_lambda_says_what_to_use():
+    model = lambda_model()
+    with pytest.raises(TypeError) as info:
+        jt.grad(lambda_loss)(model, X)
+    message = str(info.value)
+    assert "argument 0 at .layers[1].fn" in message  # where the non-array leaf is
+    assert "jt.filter_grad / jt.filter_value_and_grad" in message and "jaxtrace.flax" in message
+    with pytest.raises(TypeError, match="filter_value_and_grad"):
+        jt.value_and_grad(lambda_loss)(model, X)
+
+
+def test_jt_grad_on_a_string_leaf():
+    with pytest.raises(TypeError, match=r"argument 1 at \['name'\]: a str"):
+        jt.grad(lambda w, cfg: jnp.sum(w), argnums=(0, 1))(jnp.ones(2), {"name": "fc"})
+
+
+def test_python_numbers_are_still_arrays_to_jt_grad():
+    grads, _ = jt.grad(lambda w: jt.tag(3.0 * w, "h") ** 2)(1.0)
+    assert float(grads) == 18.0
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, eqx.filter_jit], ids=["eager", "filter_jit"])
+def test_filter_value_and_grad_with_values_against_eps(wrap):
+    model = jt.tag_modules(lambda_model(), ["0", "1", "2"])
+    value, (grads, tag_grads), tag_values = wrap(jt.filter_value_and_grad(lambda_loss, with_values=True))(model, X)
+    eps = _eps(model)
+    (expected_value, expected_values), expected = eps_oracle(
+        lambda e: lambda_oracle(model, e, X), eps, value=True, has_aux=True
+    )
+    assert_trees_close(value, expected_value)
+    assert_trees_close(tag_grads, expected)
+    assert_trees_close(tag_values, expected_values)
+    assert grads.layers[1].fn is None  # a Lambda has no gradient, as eqx.filter_grad gives it
+    # filter_grad: (grads, tag_grads, tag_values); has_aux: ((grads, tag_grads), aux, tag_values)
+    g, tg, tv = jt.filter_grad(lambda_loss, with_values=True)(model, X)
+    assert_trees_close(tg, expected) and assert_trees_close(tv, expected_values)
+    (g2, tg2), aux, tv2 = jt.filter_grad(lambda m, x: (lambda_loss(m, x), "aux"), has_aux=True, with_values=True)(model, X)
+    assert aux == "aux"
+    assert_trees_close(tg2, expected) and assert_trees_close(tv2, expected_values)
+    # without with_values nothing changes
+    assert len(jt.filter_grad(lambda_loss)(model, X)) == 2
+    value_only = jt.filter_value_and_grad(lambda_loss)(model, X)
+    assert len(value_only) == 2 and len(value_only[1]) == 2
+
+
+def test_filter_value_and_grad_with_values_under_vmap():
+    model = jt.tag_modules(lambda_model(), ["1"])
+
+    def one(x):
+        return jt.filter_value_and_grad(lambda m, x: jnp.sum(jnp.sin(m(x)) ** 2), with_values=True)(model, x)
+
+    value, (_, tag_grads), tag_values = jax.vmap(one)(X)
+    eps = _eps(model)
+    expected = eps_oracle(lambda e: lambda_oracle(model, e, X)[0], eps)
+    assert_trees_close(tag_grads["1"], expected["1"])
+    assert_trees_close(tag_values["1"], jnp.tanh(jax.vmap(model.layers[0])(X)))
