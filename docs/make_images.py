@@ -24,6 +24,7 @@ PICTURES = {  # example -> (picture, width on the page)
     "attribution_patching.py": ("attribution_patching.png", 900),
     "loss_paths.py": ("loss_paths.png", 900),
     "guided_backprop.py": ("guided_backprop.png", 500),
+    "layer_flow.py": ("layer_flow.png", 900),
 }
 
 

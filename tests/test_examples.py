@@ -21,6 +21,7 @@ EXAMPLES = {
     "attribution_patching.py": ["attribution_patching.png"],
     "loss_paths.py": ["loss_paths.png"],
     "guided_backprop.py": ["guided_backprop.png"],
+    "layer_flow.py": ["layer_flow.png"],
     "dp_sgd.py": [],  # prints the falling loss; asserts that it trains
 }
 

@@ -492,24 +492,24 @@ def spike_recipe():
     return namespace
 
 
-@pytest.mark.long  # compiles a step with per_example_norms and per-layer statistics in a cond: ~20 s here
+@pytest.mark.long  # compiles the forensics (per_example_norms and per-layer statistics): ~20 s here
 def test_spike_recipe_names_the_outlier_example_and_layer():
-    """The spike step of the guide, only when the loss exceeds 5x its running mean: the example with the
-    largest gradient norm, and the first layer where its activation is 10x the batch median's, checked
-    against per-example jax.grad and jt.capture reduced by NumPy; normal steps give an empty report."""
+    """The spike recipe of the guide: its step flags a loss above 5x its running mean, and the forensics
+    on that step name the example with the largest gradient norm and the first layer where its
+    activation is 10x the batch median's, checked against per-example jax.grad and jt.capture reduced by
+    NumPy; the compiled step does the plain step's work and no more."""
     pytest.importorskip("equinox")
     pytest.importorskip("optax")
     import equinox as eqx
 
     ns = spike_recipe()
     assert ns["found"] == [(25, 17, "layers.0")]  # the guide's own injection, found on that step alone
-    step, batch, layers = ns["step"], ns["batch"], ns["LAYERS"]
+    step, forensics, batch, layers = ns["step"], ns["forensics"], ns["batch"], ns["LAYERS"]
     model, opt_state, average = ns["model"], ns["opt_state"], ns["average"]
 
     x, y = batch(jax.random.key(100))
-    _, _, new_average, _, spike, report = step(model, opt_state, average, x, y)
-    assert not spike and int(report["example"]) == -1 and int(report["layer"]) == -1
-    assert np.all(np.asarray(report["example_norms"]) == -1) and float(new_average) != float(average)
+    _, _, new_average, _, spike = step(model, opt_state, average, x, y)
+    assert not spike and float(new_average) != float(average)
 
     def oracle(x, y):
         """Per-example gradient norms, one jax.grad per example, and per-layer activation norms per example."""
@@ -525,11 +525,74 @@ def test_spike_recipe_names_the_outlier_example_and_layer():
         x, y = batch(jax.random.key(101), outlier=None if label else outlier)
         if label is not None:
             y = y.at[outlier].set(label)
-        _, _, new_average, loss, spike, report = step(model, opt_state, average, x, y)
+        _, _, new_average, loss, spike = step(model, opt_state, average, x, y)
         assert bool(spike) and float(new_average) == float(average)  # a spike does not move the threshold
+        report = forensics(model, x, y)
         assert int(report["example"]) == outlier and int(report["layer"]) == want_layer
         norms, per_layer = oracle(x, y)
         np.testing.assert_allclose(report["example_norms"], norms, rtol=1e-4)
         ratios = [v[outlier] / np.median(v) for v in per_layer]
         np.testing.assert_allclose(report["layer_ratios"], ratios, rtol=1e-4)
         assert int(np.argmax(norms)) == outlier
+
+    # The step is the plain step and a comparison: no conditional, the plain step's matrix products,
+    # no sort (the medians) and no per-example work; those are in the forensics' own program.
+    optimizer, mean_loss = ns["optimizer"], ns["mean_loss"]
+
+    def plain_step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(mean_loss)(model, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    spike_hlo = step.lower(model, opt_state, average, x, y).compile().compiled.as_text()
+    plain_hlo = eqx.filter_jit(plain_step).lower(model, opt_state, x, y).compile().compiled.as_text()
+    normal, branch = hlo_work(spike_hlo)
+    assert not branch and " conditional(" not in spike_hlo
+    assert normal == hlo_work(plain_hlo)[0] and not any(op == "sort" for op, _ in normal)
+    apart = hlo_work(forensics.lower(model, x, y).compile().compiled.as_text())[0]
+    assert sum(n for (op, _), n in apart.items() if op == "sort") >= 1  # the medians
+    assert sum(n for (op, _), n in apart.items() if op != "sort") >= sum(normal.values())  # a forward and backward, and more
+
+
+def hlo_work(text: str):
+    """Matrix products (dots, library-call fusions) and sorts, by result shape, of a compiled program:
+    outside and inside the branch of its one ``conditional`` that holds the most (``Counter()`` without one)."""
+    import collections
+
+    comps, entry, name = {}, None, None
+    for line in text.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith((" ", "HloModule")):
+            head = line.split()
+            name = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
+            comps[name] = []
+            entry = name if head[0] == "ENTRY" else entry
+        elif line.strip() == "}":
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+
+    def called(line):
+        names = re.findall(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)", line)
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        return names + ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else [])
+
+    def work(start, skip=()):
+        seen, todo, found = set(), [start], collections.Counter()
+        while todo:
+            comp = todo.pop()
+            if comp in seen or comp in skip:
+                continue
+            seen.add(comp)
+            for line in comps[comp]:
+                m = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\(.*?\)|[^\s(]+)\s+(dot|convolution|sort|fusion)\(", line)
+                if m and (m.group(2) != "fusion" or "kind=kCustom" in line):  # a kCustom fusion: a library matmul
+                    found[(m.group(2), re.sub(r"\{[^}]*\}", "", m.group(1)))] += 1
+                todo.extend(called(line))
+        return found
+
+    conds = [line for lines in comps.values() for line in lines if " conditional(" in line]
+    if not conds:
+        return work(entry), collections.Counter()
+    assert len(conds) == 1, conds
+    heavy = max(called(conds[0]), key=lambda b: sum(work(b).values()))
+    return work(entry, {heavy}), work(heavy)
