@@ -15,6 +15,8 @@ from ._selection import TagSelection, check_tags, refuse_differentiated
 from ._sites import Site
 from ._split import Split, is_array, keep
 
+__all__ = ["capture", "jvp", "patch"]
+
 
 def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
     """Runs ``fun`` and also returns the values at its tags.

@@ -21,10 +21,21 @@ from typing import Any, Callable, Iterable, Sequence, Union
 import jax
 import jax.tree_util as jtu
 
-# Kept importable here while _per_example and torch move their imports to the modules they live in:
-from ._frameworks import from_flax, is_nnx_module  # noqa: F401
-from ._paths import join, key_name, path_name  # noqa: F401
 from ._tag import tag
+
+__all__ = [
+    "INPUT_SUFFIX",
+    "PARAMS_SUFFIX",
+    "ModuleTag",
+    "Where",
+    "base_class",
+    "choose",
+    "is_callable_module",
+    "parse_where",
+    "tag_inputs",
+    "tag_leaves",
+    "tagged_subclass",
+]
 
 INPUT_SUFFIX = ":in"  # "<path>:in" names a module's positional inputs
 PARAMS_SUFFIX = ":params:"  # "<path>:params:<attribute>": a parameter where the module reads it (per-example plans)

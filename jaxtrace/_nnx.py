@@ -7,3 +7,5 @@ and ``jaxtrace._nnx._ModuleTag``, and still load.
 
 from ._module_tags import ModuleTag as _ModuleTag  # noqa: F401
 from .flax._nnx import restore as _restore  # noqa: F401
+
+__all__: list = []  # nothing public: only the pickled names above

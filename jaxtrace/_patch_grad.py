@@ -23,6 +23,8 @@ from ._selection import refuse_differentiated
 from ._sites import Site
 from ._split import Split, is_array
 
+__all__ = ["grad_hook_p", "patch_grad"]
+
 
 def _impl(*args, n, **params):
     return list(args[:n])

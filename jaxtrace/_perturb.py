@@ -13,6 +13,8 @@ from jax import lax
 
 from . import _compat
 
+__all__ = ["perturb", "perturb_p"]
+
 
 def _impl(x, eps):
     return x

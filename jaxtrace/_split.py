@@ -13,8 +13,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ._arrays import is_array  # re-exported: the transforms read array leaves from here
 from ._leaves import check_array_leaves
 from ._program import Program
 from ._selection import report_evaluated, select
@@ -32,11 +32,6 @@ def _always(leaf) -> bool:
 def _as_array(value):
     """A program output read from a literal (a JAX-internal scalar type) as an array."""
     return value if isinstance(value, jax.Array) else jnp.asarray(value)
-
-
-def is_array(leaf) -> bool:
-    """An array leaf (traced as an input, or passed through as an output); anything else stays static."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
 def keep(site: Site, x, _):

@@ -22,6 +22,8 @@ import numpy as np
 
 from . import _compat
 
+__all__ = ["evaluated_tags", "is_tag", "site_value", "tag", "tag_p"]
+
 T = TypeVar("T")
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

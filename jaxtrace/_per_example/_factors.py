@@ -14,6 +14,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+__all__ = ["HIGHEST", "Index", "Use", "sq_norm", "weighted_sum"]
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)

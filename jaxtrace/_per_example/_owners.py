@@ -17,6 +17,8 @@ import numpy as np
 
 from .. import _compat
 
+__all__ = ["Axis", "ELEMENTWISE", "Every", "MULTI", "OWNERS", "SHAPE_ONLY", "axis_of", "elementwise", "inexact", "register", "shape_of", "unit"]
+
 # --- ownership states ---------------------------------------------------------
 
 

@@ -30,6 +30,8 @@ from ._owners import Every
 from ._proof import prove
 from ._uses import used_outside
 
+__all__ = ["Call"]
+
 _SHARED = ":shared:"  # "<path>:shared:<k>": a shared layer output where it meets the examples
 
 

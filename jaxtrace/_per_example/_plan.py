@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from .._frameworks import is_nnx_module
+from .._frameworks import is_equinox_module, is_nnx_module
 from .._paths import key_name, path_name
 from .._tag_modules import tag_module_calls
 from ._rules import Rule, ensure_rules, rule_for
@@ -86,27 +86,14 @@ def plan_for(model) -> Plan:
 
 
 def _adapter_for(model) -> type:
-    if _is_eqx(model):
+    if is_equinox_module(model):
         return _Equinox
-    if _is_nnx(model):
+    if is_nnx_module(model):
         return _Nnx
     raise TypeError(
         "jaxtrace.per_example_norms and jaxtrace.clipped_grad differentiate an equinox or Flax NNX "
         f"model, which they tag themselves; got a {type(model).__name__}."
     )
-
-
-def _is_eqx(model) -> bool:
-    eqx = __import__("sys").modules.get("equinox")
-    return eqx is not None and isinstance(model, eqx.Module)
-
-
-def _is_nnx(model) -> bool:
-    if not is_nnx_module(model):  # no class of flax.nnx in its MRO: not an nnx.Module (Flax not imported)
-        return False
-    from flax import nnx  # loaded already: the model's classes come from it
-
-    return isinstance(model, nnx.Module)  # not an nnx.Variable, nnx.State, nnx.Rngs, ...
 
 
 def _record(records: list) -> Callable:

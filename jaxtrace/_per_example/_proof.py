@@ -39,9 +39,10 @@ import numpy as np
 
 from .. import _compat, _higher_order
 from .._tag import is_tag
+from .._module_tags import PARAMS_SUFFIX  # "<path>:params:<attribute>": a layer's parameter where it reads it
 from ._owners import ELEMENTWISE, MULTI, OWNERS, SHAPE_ONLY, Axis, Every, axis_of, elementwise, inexact, shape_of, unit
 
-PARAMS_SUFFIX = ":params:"  # "<path>:params:<attribute>" marks a layer's parameter where the layer reads it
+__all__ = ["prove"]
 
 
 # --- the records --------------------------------------------------------------
