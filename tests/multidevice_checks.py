@@ -259,14 +259,16 @@ def hand_stats(g, stats):
 def stats_one_all_reduce_round():
     """A sharded jt.stats step has no more all-reduces than sqrt(sum(g**2)) written by hand.
 
-    Data parallel (the batch over all 8 devices) and 4x2 tensor parallel (Megatron-style
-    w1/w2, the batch over 'data'), stats="norm" and all statistics, float32: the compiled
+    Data parallel (the batch over all 8 devices), 4x2 tensor parallel (Megatron-style
+    w1/w2, the batch over 'data') and FSDP (the parameters and the batch over 'data'), stats="norm" and all statistics, float32: the compiled
     HLO's all-reduce count, and the numbers, against the hand-written program with the same
     statistics (the + eps oracle, its tag gradients reduced by hand).
     """
     layouts = {
         "data parallel": ({"w1": P(), "b1": P(), "w2": P()}, P(("data", "model"))),
         "tensor parallel 4x2": ({"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}, P("data")),
+        # FSDP: every parameter sharded over the batch's axis, gathered where it is used.
+        "fsdp": ({"w1": P(None, "data"), "b1": P("data"), "w2": P("data", None)}, P("data")),
     }
     f32 = lambda tree: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)  # noqa: E731
     params32, x32, y32 = f32((PARAMS, X, Y))
