@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from . import _compat
 from ._perturb import perturb
 from ._checks import check_callable
-from ._selection import TagSelection, check_tags
+from ._selection import Selection, TagSelection
 from ._sites import Site
 from ._split import Split
 
@@ -171,7 +171,7 @@ def value_and_grad_with_sites(
 ) -> Callable:
     """``value_and_grad(fun, ...)``, returning ``(its result, the sites it split)``: for callers that
     need each tag's layout (loop and batch axes), as ``jaxtrace.stats.value_and_grad`` does."""
-    check_tags(tags)
+    tags = Selection.of(tags)  # tags= read once, when the function is wrapped
     nums = normalize_argnums(argnums)
 
     def fun_with_sites(*args, **kwargs):
@@ -330,7 +330,7 @@ def jacrev(
         ([1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
     """
     check_callable(fun, "jaxtrace.jacrev")
-    check_tags(tags)
+    tags = Selection.of(tags)  # tags= read once, when the function is wrapped
     nums = normalize_argnums(argnums)
 
     @functools.wraps(fun)

@@ -16,16 +16,9 @@ import jax.tree_util as jtu
 from . import _stats_option
 from ._ad import grad_result
 from ._checks import check_callable
-from ._selection import TagSelection, check_tags
+from ._selection import Selection, TagSelection
 
 __all__ = ["filter_value_and_grad", "filter_grad", "filter_jacrev"]
-
-
-def _hashable_tags(tags: TagSelection) -> TagSelection:
-    check_tags(tags)
-    if tags is None or isinstance(tags, str) or callable(tags):
-        return tags
-    return tuple(tags)
 
 
 def _partitioned(fun: Callable, args: tuple, kwargs: dict):
@@ -76,7 +69,7 @@ class _Filtered(eqx.Module):
 
 
 def _wrap(fun: Callable, kind: str, has_aux, tags: TagSelection, with_values, stats) -> Callable:
-    wrapper = _Filtered(fun, kind, bool(has_aux), _hashable_tags(tags), bool(with_values), _stats_option.stat_names(stats))
+    wrapper = _Filtered(fun, kind, bool(has_aux), Selection.of(tags), bool(with_values), _stats_option.stat_names(stats))
     return eqx.module_update_wrapper(wrapper, fun)
 
 

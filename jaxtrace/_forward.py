@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ._checks import check_callable
 from ._errors import TagError
-from ._selection import TagSelection, check_tags, refuse_differentiated
+from ._selection import Selection, TagSelection, refuse_differentiated
 from ._sites import Site
 from ._split import Split, is_array, keep
 
@@ -47,7 +47,7 @@ def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
         [0.0, 2.0, 4.0]
     """
     check_callable(fun, "jaxtrace.capture")
-    check_tags(tags)
+    tags = Selection.of(tags)  # tags= read once, when the function is wrapped
 
     @functools.wraps(fun)
     def captured(*args, **kwargs):

@@ -24,7 +24,7 @@ from ._nonfinite_order import loop_count, templates
 from ._nonfinite_report import NONE, NonfiniteReport, ReportMeta, TagInfo, source
 from ._paths import path_name
 from ._checks import check_callable
-from ._selection import TagSelection, check_tags
+from ._selection import Selection, TagSelection
 
 __all__ = ["find_nonfinite", "NonfiniteReport"]
 
@@ -78,7 +78,7 @@ def find_nonfinite(
         Every tagged value is finite (2 tags). The gradients are finite down to 'y' and not at 'h' (...): the NaN begins in the backward pass of the code between them. ...
     """
     check_callable(fun, "jaxtrace.find_nonfinite")
-    check_tags(tags)
+    tags = Selection.of(tags)  # tags= read once, when the function is wrapped
     nums = normalize_argnums(argnums)
 
     @functools.wraps(fun)

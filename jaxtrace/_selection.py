@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence, Union
+import dataclasses
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
 from ._errors import TagError
 from ._sites import Site, site_problem
 
-__all__ = ["TagSelection", "check_tags", "refuse_differentiated", "report_evaluated", "select", "tag_names"]
+__all__ = ["Selection", "TagSelection", "check_tags", "refuse_differentiated", "report_evaluated", "select", "tag_names"]
 
 TagSelection = Union[None, str, Sequence[str], Callable[[str], bool]]
 
@@ -36,25 +37,55 @@ def check_tags(tags: TagSelection) -> None:
     )
 
 
-def select(sites: dict, tags: TagSelection, purpose: str = "reverse") -> list[Site]:
-    """The sites that ``tags=`` asks for; raises for unknown names and sites that cannot serve
-    ``purpose`` (``"read"``: capture; ``"forward"``: jvp, patch; ``"reverse"``: gradients)."""
-    check_tags(tags)
-    names = tag_names(sites.values())
-    if tags is None:
-        wanted = names
-    elif isinstance(tags, str):
-        wanted = [tags]
-    elif callable(tags):
-        wanted = [n for n in names if tags(n)]
-    else:
-        wanted = list(tags)
-        bad = [t for t in wanted if not isinstance(t, str)]
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """``tags=`` read once, when a function is wrapped: every tag, some names, or a predicate.
+
+    Hashable (a static field of an equinox wrapper, a jit cache key); ``Selection.of`` checks the
+    argument and gives its one form, so every transform reads ``tags=`` the same way.
+    """
+
+    names: Optional[tuple] = None  # the names asked for; None with no predicate: every tag
+    predicate: Optional[Callable[[str], bool]] = None
+
+    @classmethod
+    def of(cls, tags: "TagSelection | Selection") -> "Selection":
+        """The selection ``tags=`` makes; a ``TypeError`` that says the accepted forms if it is none."""
+        if isinstance(tags, Selection):
+            return tags
+        check_tags(tags)
+        if tags is None:
+            return cls()
+        if isinstance(tags, str):
+            return cls(names=(tags,))
+        if callable(tags):
+            return cls(predicate=tags)
+        names = tuple(tags)
+        bad = [t for t in names if not isinstance(t, str)]
         if bad:
             raise TypeError(
                 f"tags= must be None, a name, a sequence of names or a predicate; got {bad[0]!r} "
                 f"of type {type(bad[0]).__name__} in the sequence."
             )
+        return cls(names=names)
+
+    def wanted(self, names: Sequence[str]) -> list[str]:
+        """Of the tag names a function has, the ones asked for (asked-for names it lacks included)."""
+        if self.predicate is not None:
+            return [n for n in names if self.predicate(n)]
+        return list(names) if self.names is None else list(self.names)
+
+    def asks_for(self, name: str) -> bool:
+        if self.predicate is not None:
+            return bool(self.predicate(name))
+        return self.names is None or name in self.names
+
+
+def select(sites: dict, tags: "TagSelection | Selection", purpose: str = "reverse") -> list[Site]:
+    """The sites that ``tags=`` asks for; raises for unknown names and sites that cannot serve
+    ``purpose`` (``"read"``: capture; ``"forward"``: jvp, patch; ``"reverse"``: gradients)."""
+    names = tag_names(sites.values())
+    wanted = Selection.of(tags).wanted(names)
     known_names, wanted_names = set(names), set(wanted)
     unknown = [n for n in wanted if n not in known_names]
     if unknown:
@@ -85,14 +116,13 @@ def refuse_differentiated(sites: Iterable[Site], transform: str, change: str, in
             )
 
 
-def report_evaluated(evaluated: dict, sites: dict, tags: TagSelection) -> None:
+def report_evaluated(evaluated: dict, sites: dict, tags: "TagSelection | Selection") -> None:
     """Tags that ``jax.ensure_compile_time_eval`` evaluated away: a ``TagError`` when the call asks
     for them (by name, ``tags=None`` or a predicate), never a silent drop."""
     staged = {s.name for s in sites.values()}
     lost = {n: line for n, line in evaluated.items() if n not in staged}
-    if isinstance(tags, str):
-        tags = [tags]
-    asked = [n for n in lost if tags is None or (tags(n) if callable(tags) else n in tags)]
+    selection = Selection.of(tags)
+    asked = [n for n in lost if selection.asks_for(n)]
     if asked:
         listed = ", ".join(f"{n!r} (at {lost[n]})" for n in asked)
         raise TagError(

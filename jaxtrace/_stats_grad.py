@@ -18,7 +18,7 @@ import numpy as np
 from ._ad import jacrev as _jacrev
 from ._ad import value_and_grad_with_sites
 from ._checks import check_callable
-from ._selection import TagSelection, check_tags
+from ._selection import Selection, TagSelection
 from ._summary import STATS, LoopAxes, check_stat_names, in_order, summarize, term_names_in_order
 
 __all__ = ["value_and_grad", "jacrev"]
@@ -152,7 +152,7 @@ def jacrev(
         h    8.94      0 (none)
     """
     check_callable(fun, "jaxtrace.stats.jacrev")
-    check_tags(tags)
+    tags = Selection.of(tags)  # tags= read once, when the function is wrapped
     stats = check_stat_names(stats)  # check the statistic names now, not at the first call
 
     @functools.wraps(fun)
