@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._perturb import perturb
-from ._checks import check_callable
+from ._checks import check_callable, normalize_argnums
 from ._selection import Selection, TagSelection
 from ._sites import Site
 from ._split import Split
@@ -29,7 +29,6 @@ __all__ = [
     "jacrev",
     "value_and_grad_with_sites",
     "split_for_reverse",
-    "normalize_argnums",
     "grad_result",
 ]
 
@@ -55,16 +54,6 @@ def _zero_inputs(sites) -> dict:
                 made[kind] = site.zeros()
             out[site.key] = made[kind]
     return out
-
-
-def normalize_argnums(argnums) -> tuple[int, ...]:
-    """``argnums`` as a non-empty tuple of ints (``jax.grad``'s forms); a ``TypeError`` otherwise."""
-    if isinstance(argnums, int):
-        return (argnums,)
-    argnums = tuple(argnums)
-    if not argnums or not all(isinstance(a, int) for a in argnums):
-        raise TypeError(f"argnums must be an int or a non-empty tuple of ints, got {argnums!r}.")
-    return argnums
 
 
 def split_for_reverse(

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._ad import normalize_argnums, split_for_reverse
+from ._ad import split_for_reverse
 from ._arrays import is_inexact_array
 from ._nonfinite_order import loop_count, templates
 from ._nonfinite_report import NONE, NonfiniteReport, ReportMeta, TagInfo, source
 from ._paths import path_name
-from ._checks import check_callable
+from ._checks import check_callable, normalize_argnums
 from ._selection import Selection, TagSelection
 
 __all__ = ["find_nonfinite", "NonfiniteReport"]
