@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import _compat
+from . import _compat, _equation_params
 
 __all__ = [
     "CALL",
@@ -54,14 +54,14 @@ KINDS: dict[str, str] = {
 }
 
 _BODIES: dict[str, Callable[[Any], list]] = {
-    SCAN: lambda eqn: [_compat.scan_params(eqn).body],
-    COND: lambda eqn: list(_compat.cond_branches(eqn)),
-    WHILE: lambda eqn: [_compat.while_params(eqn).cond, _compat.while_params(eqn).body],
-    CALL: lambda eqn: [_compat.call_body(eqn)],
-    REMAT: lambda eqn: [_compat.call_body(eqn)],
-    CUSTOM: lambda eqn: [_compat.custom_primal(eqn)],
+    SCAN: lambda eqn: [_equation_params.scan_params(eqn).body],
+    COND: lambda eqn: list(_equation_params.cond_branches(eqn)),
+    WHILE: lambda eqn: [_equation_params.while_params(eqn).cond, _equation_params.while_params(eqn).body],
+    CALL: lambda eqn: [_equation_params.call_body(eqn)],
+    REMAT: lambda eqn: [_equation_params.call_body(eqn)],
+    CUSTOM: lambda eqn: [_equation_params.custom_primal(eqn)],
     CUSTOM_LINEAR: lambda eqn: _compat.sub_jaxprs(eqn.params),
-    SHARD_MAP: lambda eqn: [_compat.shard_map_params(eqn).body],
+    SHARD_MAP: lambda eqn: [_equation_params.shard_map_params(eqn).body],
 }
 
 

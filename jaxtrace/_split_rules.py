@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _compat, _higher_order
+from . import _compat, _equation_params, _higher_order
 from ._sites import Slot, with_refusal
 from ._splice import bind_equation
 from ._stacking import merge_branches
@@ -57,12 +57,12 @@ class Scan(Rule):
     """``lax.scan`` (and ``fori_loop`` with static bounds, ``lax.map``): stack per iteration."""
 
     def sites(self, program, eqn):
-        p = _compat.scan_params(eqn)
+        p = _equation_params.scan_params(eqn)
         inner = program.level(p.body).sites
         return {k: dataclasses.replace(s, stack=(p.length, *s.stack), ncalls=0) for k, s in inner.items()}
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
-        p = _compat.scan_params(eqn)
+        p = _equation_params.scan_params(eqn)
         consts = invals[: p.num_consts]
         init = invals[p.num_consts : p.num_consts + p.num_carry]
         xs = invals[p.num_consts + p.num_carry :]
@@ -131,7 +131,7 @@ class Inline(Rule):
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
         body = _higher_order.body(eqn)
-        shardings = _compat.call_shardings(eqn)
+        shardings = _equation_params.call_shardings(eqn)
         if shardings is None:
             return splitter.eval_jaxpr(body, invals, inputs)
 
@@ -160,7 +160,7 @@ class Remat(Rule):
         def run(args, inputs):
             return inner.eval_jaxpr(body, args, inputs)
 
-        outs, outputs = jax.checkpoint(run, **_compat.remat_options(eqn))(list(invals), inputs)
+        outs, outputs = jax.checkpoint(run, **_equation_params.remat_options(eqn))(list(invals), inputs)
         return list(outs), outputs
 
 
@@ -180,13 +180,13 @@ class ShardMap(Rule):
     """
 
     def sites(self, program, eqn):
-        p = _compat.shard_map_params(eqn)
+        p = _equation_params.shard_map_params(eqn)
         lead = tuple(p.mesh.shape[a] for a in p.axes)
         inner = program.level(p.body).sites
         return {k: dataclasses.replace(s, stack=(*lead, *s.stack), ncalls=0) for k, s in inner.items()}
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
-        p = _compat.shard_map_params(eqn)
+        p = _equation_params.shard_map_params(eqn)
         n = len(p.axes)
         specs, global_inputs = {}, {}
         for key, value in inputs.items():
@@ -268,11 +268,11 @@ class While(Rule):
     )
 
     def sites(self, program, eqn):
-        p = _compat.while_params(eqn)
+        p = _equation_params.while_params(eqn)
         return {**self.in_condition.sites(program, eqn, [p.cond]), **self.refusal.sites(program, eqn, [p.body])}
 
     def evaluate(self, splitter, eqn, invals, inputs, active):
-        p = _compat.while_params(eqn)
+        p = _equation_params.while_params(eqn)
         cond_consts = invals[: p.cond_nconsts]
         body_consts = invals[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]
         init = invals[p.cond_nconsts + p.body_nconsts :]

@@ -75,6 +75,7 @@ CORE = (
     "_checks",
     "_version",
     "_compat",
+    "_equation_params",
     "_higher_order",
     "_leaves",
     "_sites",

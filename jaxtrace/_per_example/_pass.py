@@ -18,7 +18,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from .. import _compat
+from .. import _compat, _equation_params
 from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
@@ -140,7 +140,7 @@ class Call:
             key = (*ids, id(eqn))
             met = [(i, at[(*key, i)]) for i in range(len(ins)) if (*key, i) in at]
             if key in inline:  # a jit or checkpoint body holding a meeting: run it here
-                body, body_consts = _compat.jaxpr_and_consts(_compat.call_body(eqn))
+                body, body_consts = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
                 outs = self._run_jaxpr(body, body_consts, ins, (*ctx, eqn), at, inline)
             elif met and eqn.primitive.name == "dot_general":
                 ((i, name),) = met

@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _compat, _higher_order
+from .. import _compat, _equation_params, _higher_order
 from .._tag import is_tag
 from .._module_tags import PARAMS_SUFFIX  # "<path>:params:<attribute>": a layer's parameter where it reads it
 from ._owners import ELEMENTWISE, MULTI, OWNERS, SHAPE_ONLY, Axis, Every, axis_of, elementwise, inexact, shape_of, unit
@@ -160,11 +160,11 @@ class _Analysis:
             elif kind in _higher_order.CALL_LIKE:
                 outs, out_deps = self._call(_higher_order.body(eqn), ins, in_deps, (*ctx, eqn), steps)
             elif kind == _higher_order.COND:
-                for branch in _compat.cond_branches(eqn):
+                for branch in _equation_params.cond_branches(eqn):
                     _, bd = self._call(branch, ins[1:], in_deps[1:], (*ctx, eqn, branch), steps)
                     out_deps = [a or b for a, b in zip(out_deps, bd)] if bd else out_deps
             elif kind == _higher_order.SCAN:
-                p = _compat.scan_params(eqn)
+                p = _equation_params.scan_params(eqn)
                 k, c = p.num_consts, p.num_carry
                 body_ins = ins[:k] + [None] * c + [("step", o[1]) if o and o[0] == "leaf" else None for o in ins[k + c :]]
                 carry = list(in_deps[k : k + c])
@@ -283,7 +283,7 @@ class _Analysis:
             return self._body(_higher_order.body(eqn), outs, (*ctx, eqn))
         if _higher_order.kind(eqn) == _higher_order.COND:
             ins: list = [None] * len(eqn.invars)
-            for branch in _compat.cond_branches(eqn):
+            for branch in _equation_params.cond_branches(eqn):
                 got = self._body(branch, outs, (*ctx, eqn, branch))
                 ins[1:] = [_join_plain(a, b) for a, b in zip(ins[1:], got)]
             return ins
@@ -303,7 +303,7 @@ class _Analysis:
         return self.backward(jaxpr, list(outs), ctx)[len(jaxpr.constvars) :]
 
     def _scan(self, eqn, outs, ctx) -> list:
-        p = _compat.scan_params(eqn)
+        p = _equation_params.scan_params(eqn)
         k, c = p.num_consts, p.num_carry
         ys = []
         for v, s in zip(eqn.outvars[c:], outs[c:]):
@@ -358,7 +358,7 @@ class _Analysis:
                 continue  # no output of this use reaches a loss
             name = eqn.primitive.name
             if name in _compat.INLINE_CALLS or name in _compat.REMAT:  # follow it into the call's body
-                body, _ = _compat.jaxpr_and_consts(_compat.call_body(eqn))
+                body, _ = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
                 for k, a in enumerate(eqn.invars):
                     if a is var:
                         more = self._meetings(body, body.invars[k], chain, (*ctx, eqn))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .. import _compat, _higher_order
+from .. import _compat, _equation_params, _higher_order
 from .._module_tags import INPUT_SUFFIX
 from .._tag import is_tag
 
@@ -72,15 +72,15 @@ class _Flows:
         if name == "stop_gradient":  # no derivative flows through it: a frozen leaf's gradient is zero
             return [0] * n_out
         if kind == _higher_order.SCAN:
-            p = _compat.scan_params(eqn)
+            p = _equation_params.scan_params(eqn)
             return self._loop(p.body, ins, p.num_consts, p.num_carry)
         if kind == _higher_order.WHILE:
-            p = _compat.while_params(eqn)
+            p = _equation_params.while_params(eqn)
             body_ins = ins[p.cond_nconsts:]  # (body consts, carry) -> carry; the predicate carries no gradient
             return self._loop(p.body, body_ins, p.body_nconsts, len(body_ins) - p.body_nconsts)
         if kind == _higher_order.COND:
             outs = [0] * n_out
-            for branch in _compat.cond_branches(eqn):
+            for branch in _equation_params.cond_branches(eqn):
                 outs = [a | b for a, b in zip(outs, self._call(branch, ins[1:]))]
             return outs
         if kind in (_higher_order.CALL, _higher_order.REMAT):
