@@ -1,0 +1,145 @@
+"""What a telemetry step costs: ``jt.stats.value_and_grad`` against the ``jt.value_and_grad`` step.
+
+    python benchmarks/stats_step.py [--rounds 30] [--models mlp,rnn,attention,cnn,chain]
+
+Issue 36's target: the stats step within 1.05x of the ``jt.value_and_grad`` step on the
+benchmark models. For each model of ``models.py`` (the same sizes as ``run.py``), jitted and
+interleaved round by round (each round times every variant once, in a random order):
+
+- ``jt.value_and_grad`` returning every tag's cotangent (the base),
+- ``jt.stats.value_and_grad(stats="norm")`` (one number per tag and loop step),
+- ``jt.stats.value_and_grad`` with every statistic (``norm``, ``rms``, ``mean_abs``,
+  ``max_abs``, ``nonfinite``),
+- the same two written by hand on the base step's cotangents (``sqrt(sum(g**2))`` etc., what
+  one would write without jaxtrace),
+
+and prints the median per-round ratio to the base. Process CPU time is beside wall time:
+XLA:CPU runs a step on every core, so on a shared machine wall time moves with the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jaxtrace as jt  # noqa: E402
+import models as M  # noqa: E402
+
+ALL = ("norm", "rms", "mean_abs", "max_abs", "nonfinite")
+
+
+def by_hand(tag_grads, stats, loops):
+    """The statistics written by hand on full cotangents, keeping ``loops[name]`` leading axes
+    (a scan's steps), as ``jt.stats`` does."""
+
+    def one(g, loops):
+        axes = tuple(range(loops, g.ndim))
+        out = {}
+        if "norm" in stats:
+            out["norm"] = jnp.sqrt(jnp.sum(g * g, axis=axes))
+        if "rms" in stats:
+            out["rms"] = jnp.sqrt(jnp.mean(g * g, axis=axes))
+        if "mean_abs" in stats:
+            out["mean_abs"] = jnp.mean(jnp.abs(g), axis=axes)
+        if "max_abs" in stats:
+            out["max_abs"] = jnp.max(jnp.abs(g), axis=axes)
+        if "nonfinite" in stats:
+            out["nonfinite"] = jnp.sum(~jnp.isfinite(g), axis=axes)
+        return out
+
+    return {n: one(g, loops[n]) for n, g in tag_grads.items()}
+
+
+def variants(model, params, x):
+    loss = lambda p, x: model.loss(p, x, jt.tag)  # noqa: E731
+    norms = jax.eval_shape(lambda p, x: jt.stats.value_and_grad(loss, stats="norm")(p, x)[1][1], params, x)
+    loops = {n: len(v["norm"].shape) for n, v in norms.items()}
+
+    def base(p, x):
+        return jt.value_and_grad(loss)(p, x)
+
+    def stats_norm(p, x):
+        return jt.stats.value_and_grad(loss, stats="norm")(p, x)
+
+    def stats_all(p, x):
+        return jt.stats.value_and_grad(loss, stats=ALL)(p, x)
+
+    def hand_norm(p, x):
+        value, (grads, tag_grads) = base(p, x)
+        return value, (grads, by_hand(tag_grads, ("norm",), loops))
+
+    def hand_all(p, x):
+        value, (grads, tag_grads) = base(p, x)
+        return value, (grads, by_hand(tag_grads, ALL, loops))
+
+    return {
+        "jt.value_and_grad (base)": base,
+        'stats="norm"': stats_norm,
+        "hand norm": hand_norm,
+        "all five stats": stats_all,
+        "hand, all five": hand_all,
+    }
+
+
+def measure(model, rounds, min_time=0.2):
+    params = jax.tree.map(jnp.asarray, model.params)
+    x = jnp.asarray(model.x)
+    steps = {}
+    for name, f in variants(model, params, x).items():
+        step = jax.jit(f).lower(params, x).compile()
+        jax.block_until_ready(step(params, x))
+        t = time.perf_counter()
+        jax.block_until_ready(step(params, x))
+        repeats = max(1, int(min_time / max(time.perf_counter() - t, 1e-6)))
+        steps[name] = (step, repeats)
+    n = min(r for _, r in steps.values())
+    samples = {k: [] for k in steps}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = list(steps)
+        rng.shuffle(order)
+        for name in order:
+            step, _ = steps[name]
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(n):
+                out = step(params, x)
+            jax.block_until_ready(out)
+            samples[name].append(((time.perf_counter() - t) / n, (time.process_time() - c) / n))
+    base = samples["jt.value_and_grad (base)"]
+    rows = {}
+    for name, s in samples.items():
+        wall = statistics.median(a[0] / b[0] for a, b in zip(s, base))
+        cpu = statistics.median(a[1] / b[1] for a, b in zip(s, base))
+        rows[name] = (1e3 * statistics.median(a[0] for a in s), wall, cpu)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--models", default="mlp,rnn,attention,cnn,chain")
+    args = parser.parse_args()
+    makers = {"mlp": M.mlp, "rnn": M.rnn, "attention": M.attention, "cnn": M.cnn, "chain": lambda: M.chain(500, shared=4)}
+    print(f"JAX {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the start, "
+          f"{args.rounds} interleaved rounds")
+    print()
+    print("| model | variant | step (ms) | x base (wall) | x base (cpu) |")
+    print("|---|---|---|---|---|")
+    for key in args.models.split(","):
+        model = makers[key]()
+        for name, (ms, wall, cpu) in measure(model, args.rounds).items():
+            print(f"| {model.name} | {name} | {ms:.2f} | {wall:.3f} | {cpu:.3f} |", flush=True)
+    print(f"\nload {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
