@@ -10,6 +10,10 @@ import pytest
 
 import jaxtrace as jt
 
+# Each test runs under jit (always) and without it (jit=False, with --long: the eager passes
+# take 5-35 s each on 2 cores).
+pytestmark = pytest.mark.long_eager
+
 B, T, V, D = 4, 5, 7, 6
 KEYS = jax.random.split(jax.random.key(0), 8)
 

@@ -864,6 +864,7 @@ def test_composition(around):
     run()
 
 
+@pytest.mark.slow  # ~14 s on 2 cores: with --long
 def test_oracle_is_the_definition():
     """The oracle's rows against central finite differences, and against vmap(grad) where examples are independent."""
     from per_example_oracle import finite_difference_row

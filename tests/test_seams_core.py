@@ -101,6 +101,7 @@ def test_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit, p):
     assert_trees_close(out_tangent, oracle(XS, jnp.ones_like(XS)))
 
 
+@pytest.mark.long_eager
 def test_vmapped_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit):
     """The same under an outer jax.vmap with a per-example predicate (JAX batches the cond)."""
 

@@ -71,6 +71,7 @@ def problem():
     return params, xs
 
 
+@pytest.mark.long_eager
 def test_value_and_grad_stats_match_numpy_on_full_cotangents(problem, maybe_jit):
     params, xs = problem
     value, (grads, tag_grads) = maybe_jit(jt.value_and_grad(model))(params, xs)
@@ -415,6 +416,7 @@ def test_history_format_names_the_root_module():
     assert h.format() == 'step 3  | norm: "" 1  fc 2'
 
 
+@pytest.mark.long_eager
 def test_value_stats_match_numpy_on_captured_values(problem, maybe_jit):
     """with_values=True: the statistics of the values at the tags (jt.capture, reduced by NumPy), with the
     keys and loop axes of the gradient statistics (jt.grad's cotangents, reduced by NumPy)."""
