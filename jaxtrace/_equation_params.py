@@ -3,7 +3,7 @@
 ``scan_params``, ``while_params``, ``cond_branches``, ``call_body``, ``custom_primal``,
 ``shard_map_params`` and the rest read one equation's params, whatever the JAX version calls
 them, and raise ``UnknownLayoutError`` (naming the JAX version) on a spelling they do not know.
-They need no ``jax._src``; the internals themselves stay in ``_compat``.
+They read only public params; the internals themselves stay in ``_compat``.
 """
 
 from __future__ import annotations
