@@ -394,6 +394,7 @@ def branchy(x, e=None, repeated=False):
     return lax.cond(x > 0, pos, neg, x)
 
 
+@pytest.mark.long_eager
 @pytest.mark.parametrize("repeated", [False, True])
 def test_vmapped_cond_masks_values_and_merges_branches(maybe_jit, repeated):
     f = lambda xs: jnp.sum(jax.vmap(lambda x: branchy(x, repeated=repeated))(xs) ** 2)  # noqa: E731

@@ -301,6 +301,7 @@ def clone(state):
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
+@pytest.mark.long_eager
 def test_batchnorm_state_against_oracle(maybe_jit):
     model = bn_model()
     state = eqx.nn.State(model)
@@ -337,6 +338,7 @@ class Shared(eqx.Module):
         return h
 
 
+@pytest.mark.long_eager
 def test_weight_sharing_and_python_loop_are_stacked(maybe_jit):
     model = Shared(eqx.nn.Linear(3, 3, key=KEYS[8]), eqx.nn.GRUCell(3, 3, key=KEYS[9]))
     xs = jax.random.normal(KEYS[10], (4, 3))
@@ -751,6 +753,7 @@ def _mlp_terms(out, h0, y):
     return {"mse": jnp.mean((out - y) ** 2), "aux": 0.1 * jnp.mean(jnp.tanh(h0) ** 2)}
 
 
+@pytest.mark.long_eager
 def test_filter_jacrev_on_an_mlp_against_eps(maybe_jit):
     model = eqx.nn.MLP(3, 2, 5, 2, key=KEYS[3])
     tagged = jt.tag_modules(model)

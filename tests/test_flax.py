@@ -253,6 +253,7 @@ class Stateful(nnx.Module):  # RNG counts and batch statistics change on every c
         return self.drop(self.norm(self.dense(x)))
 
 
+@pytest.mark.long_eager
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")  # nnx.BatchNorm keeps float32 stats
 def test_flax_grad_on_a_stateful_model_equals_nnx_grad(jit):
@@ -283,6 +284,7 @@ def _nnx_terms(out, h1):
     return {"main": jnp.sum(jnp.sin(out) ** 2), "aux": 0.1 * jnp.mean(h1**2)}
 
 
+@pytest.mark.long_eager
 @pytest.mark.parametrize("jit", [False, True])
 def test_flax_jacrev_against_eps(jit):
     """jaxtrace.flax.jacrev: d term / d tag against jax.jacrev of the ``+ eps`` program, jac against nnx's state."""

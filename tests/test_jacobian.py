@@ -109,6 +109,7 @@ def test_matrix_output_cond_not_taken_and_checkpoint(maybe_jit):
     assert_trees_close(tag_jacs["never"], jnp.zeros((3, 3, 3)))  # the branch not taken: zeros
 
 
+@pytest.mark.long_eager
 def test_transforms_around_jacrev(maybe_jit):
     # jax.grad of a penalty on the tag Jacobians, against jax.grad of the oracle's jax.jacrev.
     penalty = lambda w: sum(jnp.sum(v**2) for v in jax.tree_util.tree_leaves(jt.jacrev(losses)(w, X)[1]))  # noqa: E731

@@ -49,6 +49,7 @@ def model(w, xs, mark):
 NAMES = ("c", "v", "k", "r")
 
 
+@pytest.mark.long_eager
 @pytest.mark.parametrize("kind", sorted(FNS))
 def test_every_construct_against_custom_vjp(maybe_jit, kind):
     fn = FNS[kind]

@@ -387,7 +387,7 @@ def test_shared_output_meeting_the_examples_at_the_top_and_inside_a_call(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("where", ["checkpoint", "jit", "matmul", "matmul_lhs", "scan"])
+@pytest.mark.parametrize("where", ["checkpoint", "jit", pytest.param("matmul", marks=pytest.mark.long), "matmul_lhs", "scan"])  # matmul: ~20 s
 def test_shared_output_meeting_the_examples_inside_a_body_or_through_a_matmul(jit, where):
     """A shared layer output (a position embedding) that meets the examples inside a `checkpoint` or
     `jit` body, or through a matrix product with a per-example operand (either side): on factors;

@@ -52,6 +52,7 @@ def _per_layer_norms(grads):  # the oracle's statistic: one L2 norm per layer
     return jnp.sqrt(jnp.sum(grads**2, axis=tuple(range(1, grads.ndim))))
 
 
+@pytest.mark.long_eager
 def test_equinox_scanned_stack_stats_per_layer(maybe_jit):
     model = ScannedMLP(4, jax.random.key(1))
     x = X[0]
@@ -69,6 +70,7 @@ def test_equinox_scanned_stack_stats_per_layer(maybe_jit):
     assert_trees_close(g_stats2["layer"]["norm"], _per_layer_norms(expected))
 
 
+@pytest.mark.long_eager
 def test_equinox_lstm_cell_in_scan_stats_per_step(maybe_jit):
     cell = jt.tag_modules(eqx.nn.LSTMCell(3, 2, key=jax.random.key(2), dtype=F64))
     xs = jnp.linspace(-1.0, 1.0, 15, dtype=F64).reshape(5, 3)

@@ -121,6 +121,7 @@ def test_vmapped_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit):
     assert_trees_close(patched, jax.jit(f_eps)(xs, jnp.cos(xs) - 2 * xs))
 
 
+@pytest.mark.long_eager
 def test_a_vmapped_cond_around_branches_of_different_ranks(maybe_jit):
     """A cond whose branches tag values of different ranks, in a branch of a vmapped cond: the
     documented TagError when asked for, and the other tags as without it."""

@@ -86,6 +86,7 @@ def test_value_and_grad_stats_match_numpy_on_full_cotangents(problem, maybe_jit)
     assert_stats_match(tag_stats, tag_grads, LOOP_AXES)
 
 
+@pytest.mark.long_eager
 def test_per_example_keeps_vmap_axes(problem, maybe_jit):
     params, xs = problem
     _, (_, tag_grads) = jt.value_and_grad(model)(params, xs)
@@ -162,6 +163,7 @@ def test_float32_sums_of_squares_out_of_range(case, maybe_jit):
         np.testing.assert_allclose(np.asarray(out[stat]), expected, rtol=2e-6, atol=0, err_msg=f"{case}: {stat}")
 
 
+@pytest.mark.long_eager
 def test_empty_values_and_rms_in_loops(maybe_jit):
     """No entries: norm 0, mean and rms nan, no non-finite entries; rms keeps loop axes like the rest."""
     out = maybe_jit(lambda g: stats.summarize({"e": g}, stats=ALL, loop_axes=1))(jnp.zeros((3, 0)))["e"]
@@ -338,6 +340,7 @@ def _terms_model(w, xs, detach=False):
     return {"main": jnp.sum(h**2), "aux": jnp.mean(aux_in**2), "vec": h * 2.0}
 
 
+@pytest.mark.long_eager
 @pytest.mark.parametrize("detach", [False, True])
 def test_summarize_tag_jacobians_per_term(maybe_jit, detach):
     xs = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
