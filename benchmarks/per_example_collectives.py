@@ -16,6 +16,12 @@ compiles, under ``jax.jit`` with those shardings:
 
 and prints, from the compiled HLO (deterministic: no timing), each variant's collectives by
 kind with the bytes they move. Nothing is timed: the CPU devices share two cores.
+
+Last run (JAX 0.12.0.1; the table in docs/performance.md): on the transformer ``clipped_grad``
+has the plain step's collectives (+1.6% bytes) and ``per_example_norms`` none beyond them; on
+the MLP ``per_example_norms`` adds one all-reduce, ``clipped_grad`` +4 all-gathers and +2
+all-reduces of ``(B,)`` and ``(B, 10)`` arrays (+1.5% bytes; +61% before the weighted sum was
+formed as the plain backward forms the weight gradient).
 """
 
 from __future__ import annotations
