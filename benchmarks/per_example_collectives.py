@@ -4,7 +4,8 @@
 
 Issue 33's target: under FSDP sharding, ``jt.clipped_grad`` has no more collectives than the
 plain gradient step plus one all-reduce of the ``B`` norms. This script places the two models of
-``per_example.py`` (an MLP and a 2-block transformer with its positions inside the model) on
+``per_example.py`` (an MLP and a 2-block transformer with its positions inside the model) and
+the CNN of ``per_example_peers.py`` (three 3x3 convolutions with max pooling, two Linear) on
 ``--devices`` CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``, set here
 before JAX starts), FSDP style: the batch and every parameter sharded over one mesh axis (each
 parameter on its first axis divisible by the device count, replicated where none is). It
@@ -16,6 +17,14 @@ compiles, under ``jax.jit`` with those shardings:
 
 and prints, from the compiled HLO (deterministic: no timing), each variant's collectives by
 kind with the bytes they move. Nothing is timed: the CPU devices share two cores.
+
+Last run (JAX 0.12.0.1; the table in docs/performance.md): on the transformer ``clipped_grad``
+has the plain step's collectives (+1.6% bytes) and ``per_example_norms`` none beyond them; on
+the MLP ``per_example_norms`` adds one all-reduce, ``clipped_grad`` +4 all-gathers and +2
+all-reduces of ``(B,)`` and ``(B, 10)`` arrays (+1.5% bytes; +61% before the weighted sum was
+formed as the plain backward forms the weight gradient); on the CNN ``per_example_norms`` has
+fewer collectives than the plain step, ``clipped_grad`` +4 all-gathers (+22% bytes: the first
+Linear's input gathered a second time, the weights, the last layer's weighted gradient).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ def main():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import per_example as PE
+    import per_example_peers as PP
 
     n = args.devices
     assert len(jax.devices()) == n, jax.devices()
@@ -68,6 +78,11 @@ def main():
             PE.Transformer(512, 128, 4, 2, key=k1),
             (jax.random.randint(k2, (16, 32), 0, 512), jax.random.randint(k3, (16, 32), 0, 512)),
             PE.lm_losses,
+        ),
+        "CNN 3 convs (32-64-64), 32x32, B=64": (
+            PP.CNN(32, (32, 64, 64), 128, 10, k1),
+            (jax.random.normal(k2, (64, 3, 32, 32)), jax.random.randint(k3, (64,), 0, 10)),
+            PP.classify_losses,
         ),
     }
     names = ("filter_grad (no per-example)", "jt.clipped_grad", "jt.per_example_norms", "vmap(grad) + clip-and-sum")

@@ -304,6 +304,97 @@ def stats_one_all_reduce_round():
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, err_msg=f"{layout}, {stats}")
 
 
+# --- per-example gradients under FSDP ------------------------------------------------
+
+
+def collectives(compiled_text):
+    """``[(kind, elements of its result)]`` for each collective of a compiled HLO module."""
+    out = []
+    op = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+    for m in op.finditer(compiled_text):
+        dims = re.findall(r"(?:pred|[sfu]\d+|bf16)\[([\d,]*)\]", m.group(1))
+        out.append((m.group(2), sum(int(np.prod([int(d) for d in ds.split(",") if d])) for ds in dims)))
+    return out
+
+
+def by_kind(ops):
+    kinds = {}
+    for kind, _ in ops:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+@check
+def per_example_fsdp_collectives():
+    """jt.per_example_norms and jt.clipped_grad on an FSDP-sharded equinox MLP (the batch and every
+    parameter over one axis of 8 devices): the numbers against vmap(grad) + clip on one device
+    (float64), and the compiled collectives against the plain gradient step (float32).
+
+    per_example_norms: exactly the plain step's collectives plus one all-reduce (the norms).
+    clipped_grad: the weighted sum contracts the factors as the plain backward contracts its
+    weight gradient, so no layer input is moved: every all-gather beyond the plain step's is at
+    most (B, 10) elements (the clipping weights, the last layer's output gradient), and at most
+    two all-reduces are added (the norms; the last bias, weighted after them). Not yet the
+    target of issue 33 (the plain step plus one all-reduce): XLA gathers the B clipping weights
+    and the last layer's weighted output gradient (docs/performance.md, Collectives under FSDP).
+    """
+    import equinox as eqx
+
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("fsdp",), axis_types=(AxisType.Auto,))
+
+    def fsdp(a):
+        axis = next((i for i, s in enumerate(a.shape) if s % len(devices) == 0), None)
+        return NamedSharding(mesh, P() if axis is None else P(*([None] * axis), "fsdp"))
+
+    def losses(model, x, y):
+        logits = jax.vmap(model)(x)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)[:, 0]
+
+    def plain(model, x, y):
+        return eqx.filter_grad(lambda m: jnp.sum(losses(m, x, y)))(model)
+
+    def by_vmap(model, x, y, max_norm):
+        one = lambda m, xi, yi: losses(m, xi[None], yi[None])[0]  # noqa: E731
+        per = jax.vmap(eqx.filter_grad(one), in_axes=(None, 0, 0))(model, x, y)
+        sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in jax.tree_util.tree_leaves(per))
+        w = jnp.minimum(1.0, max_norm / jnp.sqrt(sq))
+        return sq, jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, 1), per)
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    model = eqx.nn.MLP(64, 10, 128, 2, key=k1)
+    x, y = jax.random.normal(k2, (32, 64)), jax.random.randint(k3, (32,), 0, 10)
+    norms = lambda m, x, y: jt.per_example_norms(losses, total=True)(m, x, y)[1]  # noqa: E731
+    clipped = lambda m, x, y: jt.clipped_grad(losses, 1.0)(m, x, y)[1]  # noqa: E731
+
+    for dtype in (jnp.float64, jnp.float32):
+        m, xb = jax.tree_util.tree_map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, (model, x))
+        arrays, static = eqx.partition(m, eqx.is_array)
+        sharded = jax.device_put(arrays, jax.tree_util.tree_map(fsdp, arrays))
+        batch = tuple(jax.device_put(b, NamedSharding(mesh, P("fsdp"))) for b in (xb, y))
+        steps = {
+            name: jax.jit(lambda a, *b, f=f: f(eqx.combine(a, static), *b))
+            for name, f in (("plain", plain), ("norms", norms), ("clipped", clipped))
+        }
+        if dtype == jnp.float64:
+            want_sq, want_g = by_vmap(m, xb, y, 1.0)  # unsharded: one device
+            close(steps["norms"](sharded, *batch), want_sq, "per_example_norms, FSDP")
+            close(eqx.filter(steps["clipped"](sharded, *batch), eqx.is_array), eqx.filter(want_g, eqx.is_array), "clipped_grad, FSDP")
+            continue
+        ops = {n: collectives(s.lower(sharded, *batch).compile().as_text()) for n, s in steps.items()}
+        base, got = by_kind(ops["plain"]), by_kind(ops["norms"])
+        want = dict(base, **{"all-reduce": base.get("all-reduce", 0) + 1})
+        assert got == want, f"per_example_norms: {got}, want the plain step's {base} plus one all-reduce"
+        gathers = [op for op in ops["clipped"] if op[0] == "all-gather"]
+        for op in ops["plain"]:
+            if op in gathers:
+                gathers.remove(op)
+        big = [op for op in gathers if op[1] > x.shape[0] * 10]
+        assert not big, f"clipped_grad: all-gathers {big} beyond the plain step's, larger than (B, 10): a factor moved"
+        reduces = by_kind(ops["clipped"]).get("all-reduce", 0)
+        assert reduces <= base.get("all-reduce", 0) + 2, f"clipped_grad: {reduces} all-reduces, the plain step {base}"
+
+
 # --- shard_map -------------------------------------------------------------------
 # A tag inside a shard_map body gets one leading axis per manual mesh axis:
 # entry [i, j] is the gradient at the value on the shard at mesh position (i, j).

@@ -29,6 +29,7 @@ CHECKS = [
     "shard_map_forward_side",
     "shard_map_partial_manual_vjp",
     "stats_one_all_reduce_round",
+    "per_example_fsdp_collectives",
 ]
 
 

@@ -154,7 +154,7 @@ def linear(m, x, g, *, weight, bias, out_last):
     """Linear: ``sum_k g_k x_k^T``; ``out_last``: the weight is ``(in, out)`` (NNX's kernel), else ``(out, in)``."""
     ri, ro = _linear_ranks(m)
     gv, xv = _as_vectors(g, ro), _as_vectors(x, ri)
-    return _with_bias(m, bias, gv, {weight: Use(xv, gv) if out_last else Use(gv, xv)})
+    return _with_bias(m, bias, gv, {weight: Use(xv, gv, out="b") if out_last else Use(gv, xv)})
 
 
 # --- Embedding ----------------------------------------------------------------
