@@ -25,7 +25,7 @@ summed norms, and of the clipped sum) and ``jax.checkpoint`` around the transfor
 Classes the current implementation gets wrong are in ``KNOWN_FAILING``: their tests skip
 with that reason (empty the set as fixes land; each class's docstring in ``CLASSES`` says
 what it draws). Profiles as in ``test_properties.py`` (``JAXTRACE_HYPOTHESIS_PROFILE``):
-``quick`` (the default run) draws one program per class, ``ci`` (``--long``) a dozen;
+``quick`` (the default run) draws one program per class, ``ci`` (``--long``) eight;
 ``JAXTRACE_PER_EXAMPLE_PROGRAMS=n`` sets the number per class.
 """
 
@@ -55,7 +55,7 @@ jax.config.update("jax_enable_x64", True)
 F64 = jnp.float64
 _PROFILE = os.environ.get("JAXTRACE_HYPOTHESIS_PROFILE", "ci")
 # Programs per class (the default run is "quick": one each; --long picks "ci").
-PER_CLASS = int(os.environ.get("JAXTRACE_PER_EXAMPLE_PROGRAMS", 0)) or {"quick": 1, "ci": 12, "large": 100}.get(_PROFILE, 12)
+PER_CLASS = int(os.environ.get("JAXTRACE_PER_EXAMPLE_PROGRAMS", 0)) or {"quick": 1, "ci": 8, "large": 100}.get(_PROFILE, 8)
 PROFILE = settings(
     max_examples=PER_CLASS,
     deadline=None,
