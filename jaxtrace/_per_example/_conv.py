@@ -7,8 +7,8 @@ gradient and forms ``G_i`` from those slices, one batched contraction per offset
 ``(B, T, C * prod(k))`` patches (``conv_general_dilated_patches`` builds them with a one-hot
 convolution, several times the cost of the layer on XLA:CPU). From ``G_i``: the squared norm,
 and the clipped sum ``sum_i w_i G_i`` (the same ``G_i``, shared by the two in one program).
-Where the Gram ("ghost") form is smaller (``T * T`` at most the kernel's size, as Opacus
-decides) the norm comes from the patches, built from the same slices.
+Where the Gram ("ghost") form takes fewer multiplications (few output positions ``T`` against
+wide channels) the norm comes from the patches, built from the same slices.
 """
 
 from __future__ import annotations
@@ -55,10 +55,18 @@ class ConvUse:
         """Output positions per example, over its ``L`` calls: the Gram matrices' side."""
         return int(np.prod(self.g.shape[1:2] + self.g.shape[3:], dtype=int))
 
-    @property
-    def size(self) -> int:
-        """The weight's number of entries."""
-        return int(self.g.shape[2] * self.x.shape[2] * np.prod(self.kernel, dtype=int))
+    def gram(self) -> bool:
+        """Whether the norm takes the Gram form: fewer multiplications than ``G_i``'s.
+
+        Per example the Gram form costs ``T * T * (C * K + O)`` (the patches' and the output
+        gradients' ``T x T`` products), ``G_i`` costs ``T * C * K * O``, so the Gram form only where
+        ``T * (C * K + O) < C * K * O``. That is stricter than Opacus's ``T * T < C * K * O``
+        (which compares the two's memory, and which it implies): on XLA:CPU a ``(64, 64)`` Gram
+        against a ``64 x 576`` patch width was the slower of the two.
+        """
+        ck = self.x.shape[2] * int(np.prod(self.kernel, dtype=int))
+        o = self.g.shape[2]
+        return self.positions * (ck + o) < ck * o
 
     def _shifted(self, dtype) -> list:
         """The input seen by each kernel offset (C order): ``(B, L, C, T)`` each."""
@@ -97,10 +105,6 @@ class ConvUse:
         p = p.reshape(b, -1, p.shape[3] * p.shape[4])
         gv = jnp.moveaxis(self._g(dtype), 2, 3).reshape(b, -1, o)
         return Use(p, gv) if self.out_last else Use(gv, p)
-
-    def gram(self) -> bool:
-        """Whether the norm takes the Gram form: ``T * T`` at most the weight's size."""
-        return self.positions * self.positions <= self.size
 
 
 jax.tree_util.register_dataclass(
