@@ -331,6 +331,38 @@ def test_conv_called_twice_against_jacrev():
         close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
 
 
+class EqxConvStack(eqx.Module):
+    convs: eqx.nn.Conv2d  # three Conv2d stacked by eqx.filter_vmap, run with lax.scan
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.convs, eqx.is_array)
+        return jax.lax.scan(lambda h, p: (jnp.tanh(eqx.combine(p, static)(h)), None), x, params)[0]
+
+
+@pytest.mark.slow  # ~10-30 s: with --long
+def test_conv_stacked_in_scan_against_jacrev():
+    """Convolutions stacked in lax.scan: each step's slice of the weight is its own parameter."""
+    from per_example_oracle import oracle_per_example
+
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Conv2d(2, 2, 3, padding=1, key=k))(jax.random.split(KEY, 3))
+    model = to_dtype(EqxConvStack(stack))
+
+    def fun(m, x):
+        return jnp.sum(jax.vmap(m)(x).reshape(x.shape[0], -1) ** 2, axis=1)
+
+    x = data(B, 2, 6, 6)
+    ref = oracle_per_example(fun, model, x)
+    c = float(jnp.median(jnp.sqrt(ref.total)))
+
+    def ours(m, x):
+        return jt.per_example_norms(fun, fallback="error")(m, x)[1], jt.clipped_grad(fun, c, fallback="error")(m, x)[1]
+
+    for f in (ours, jit(ours)):
+        sq, clipped = f(model, x)
+        close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
+        close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
+
+
 # --- tied and shared weights -------------------------------------------------------------
 
 
