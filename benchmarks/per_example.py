@@ -1,9 +1,10 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn]
 
-For two equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
-at sequence 128, batch 32) it compiles, side by side:
+For three equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
+32x32x3 images, each with a 2x2 max pool, batch 64) it compiles, side by side:
 
 - ``vmap(grad)`` + norms: ``jax.vmap(eqx.filter_grad(one_example_loss))`` then each leaf's
   squared norm (what one writes today), and the same with the clipped sum (DP-SGD);
@@ -12,7 +13,8 @@ at sequence 128, batch 32) it compiles, side by side:
 
 and prints a Markdown table: peak temporary memory from ``compiled.memory_analysis()``
 (deterministic) and the median step time over interleaved rounds (the variants take
-turns, so load on the machine hits all of them alike), with the ratios to ``vmap(grad)``.
+turns, so load on the machine hits all of them alike), with the ratios to ``vmap(grad)``
+and to the plain ``filter_grad`` step.
 
 The peers (Opacus ghost and per-sample clipping, BackPACK, jax-privacy) on issue 33's models:
 ``per_example_peers.py``.
@@ -51,6 +53,29 @@ class Block(eqx.Module):
         t = h.shape[0]
         h = h + self.attn(a, a, a, mask=jnp.tril(jnp.ones((t, t), bool)))
         return h + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.ln2)(h))))
+
+
+class CNN(eqx.Module):
+    """Issue 33's CNN (as in ``per_example_peers.py``): 3x3 convolutions, ReLU, 2x2 max pools, two Linears."""
+
+    convs: list
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, image, channels, hidden, classes, key):
+        keys = jax.random.split(key, len(channels) + 2)
+        c_in = (3, *channels[:-1])
+        self.convs = [eqx.nn.Conv2d(i, o, 3, padding=1, key=k) for i, o, k in zip(c_in, channels, keys)]
+        flat = channels[-1] * (image // 2 ** len(channels)) ** 2
+        self.fc1 = eqx.nn.Linear(flat, hidden, key=keys[-2])
+        self.fc2 = eqx.nn.Linear(hidden, classes, key=keys[-1])
+
+    def __call__(self, x):  # x: (3, H, W), one example
+        for conv in self.convs:
+            x = jax.nn.relu(conv(x))
+            c, h, w = x.shape
+            x = jnp.max(x.reshape(c, h // 2, 2, w // 2, 2), axis=(2, 4))  # 2x2 max pool
+        return self.fc2(jax.nn.relu(self.fc1(x.reshape(-1))))
 
 
 class Transformer(eqx.Module):
@@ -142,11 +167,12 @@ def measure(name, model, batch, losses_fn, rounds):
             times[k].append(time.perf_counter() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
     rows = []
+    plain = med["filter_grad (no per-example)"]
     for k in fns:
         base = "vmap(grad) + clip-and-sum" if "clip" in k else "vmap(grad) + norms"
         rows.append(
             f"| {name} | {k} | {mem[k] / 2**20:.1f} | {mem[k] / mem[base]:.2f} | {med[k] * 1e3:.1f} | "
-            f"{med[k] / med[base]:.2f} |"
+            f"{med[k] / med[base]:.2f} | {med[k] / plain:.2f} |"
         )
     return rows, rel
 
@@ -155,26 +181,36 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--models", default="mlp,transformer,cnn", help="comma-separated: mlp,transformer,cnn")
     args = parser.parse_args()
+    which = args.models.split(",")
     key = jax.random.key(0)
     if args.quick:
         width, batch, d, t, tb, rounds = 64, 16, 32, 16, 4, 3
+        image, channels, cb = 8, (4, 8, 8), 4
     else:
         width, batch, d, t, tb, rounds = 1024, 256, 256, 128, 32, args.rounds
+        image, channels, cb = 32, (32, 64, 64), 64
     mlp = eqx.nn.MLP(width, 10, width, 3, key=key)
     x = jax.random.normal(key, (batch, width))
     y = jax.random.randint(key, (batch,), 0, 10)
     lm = Transformer(512, d, 4, 2, key)
     ids = jax.random.randint(key, (tb, t), 0, 512)
     print(f"JAX {jax.__version__}, {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f} (1 min)")
-    print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}\n")
-    print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) |")
-    print("|---|---|---|---|---|---|")
-    rows, rel_mlp = measure("MLP", mlp, (x, y), mlp_losses, rounds)
-    print("\n".join(rows))
-    rows, rel_lm = measure("transformer", lm, (ids, jnp.roll(ids, 1, axis=1)), lm_losses, rounds)
-    print("\n".join(rows))
-    print(f"\nlargest relative difference of the norms from vmap(grad)'s: MLP {rel_mlp:.1e}, transformer {rel_lm:.1e}")
+    cnn = CNN(image, channels, 128, 10, key)
+    xc = jax.random.normal(key, (cb, 3, image, image))
+    yc = jax.random.randint(key, (cb,), 0, 10)
+    print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}; "
+          f"CNN: {image}x{image}x3, conv {channels}, batch {cb}\n")
+    print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) | x filter_grad |")
+    print("|---|---|---|---|---|---|---|")
+    rel = {}
+    for name, m, b, f in (("MLP", mlp, (x, y), mlp_losses), ("transformer", lm, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
+                          ("CNN", cnn, (xc, yc), mlp_losses)):
+        if name.lower() in which:
+            rows, rel[name] = measure(name, m, b, f, rounds)
+            print("\n".join(rows))
+    print("\nlargest relative difference of the norms from vmap(grad)'s: " + ", ".join(f"{k} {v:.1e}" for k, v in rel.items()))
     print(f"load {os.getloadavg()[0]:.1f} (1 min) at the end")
 
 

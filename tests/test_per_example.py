@@ -255,6 +255,114 @@ def test_conv_1d_3d(dims):
     check(fun, nx, data(B, *[5] * dims, 2), fallback="error")
 
 
+# Each conv geometry against the definition (jax.jacrev of the losses vector), eager and jitted, on
+# both routes of _conv.py: the Gram form (few output positions T against the channels,
+# T * (C * K + O) < C * K * O) and the per-example gradient from shifted input slices (larger T).
+# (framework, dims, layer kwargs, input side for each route); all but the first ~10-30 s each: with --long.
+CONV_GEOMETRIES = [
+    ("eqx", 2, dict(stride=2, padding=((1, 2), (0, 1)), dilation=(1, 2)), (4, 10)),
+    pytest.param("eqx", 2, dict(stride=(1, 2), padding="SAME_LOWER"), (2, 10), marks=SLOW),
+    pytest.param("eqx", 1, dict(padding="VALID", dilation=2), (7, 24), marks=SLOW),
+    pytest.param("eqx", 3, dict(stride=2, padding=1), (2, 5), marks=SLOW),
+    pytest.param("nnx", 2, dict(strides=2, padding=((1, 1), (2, 1)), input_dilation=2, kernel_dilation=(2, 1)), (2, 10), marks=SLOW),
+    pytest.param("nnx", 1, dict(padding=[(2, 0)], kernel_dilation=2, use_bias=False), (5, 24), marks=SLOW),
+    pytest.param("nnx", 3, dict(strides=(1, 2, 1), padding=1), (2, 5), marks=SLOW),
+]
+
+
+def _conv_model(framework, dims, kw):
+    if framework == "eqx":
+        return to_dtype(eqx.nn.Conv(dims, 4, 5, 3, key=KEY, **kw)), 1
+    return to_dtype(nnx.Conv(4, 5, (3,) * dims, rngs=nnx.Rngs(0), **kw)), -1
+
+
+@pytest.mark.parametrize("route", ["gram", "slices"])
+@pytest.mark.parametrize("framework, dims, kw, sides", CONV_GEOMETRIES)
+def test_conv_geometry_against_jacrev(framework, dims, kw, sides, route):
+    from per_example_oracle import oracle_per_example
+
+    model, channel = _conv_model(framework, dims, kw)
+    side = sides[route == "slices"]
+    shape = (B, 4, *[side] * dims) if channel == 1 else (B, *[side] * dims, 4)
+    x = data(*shape)
+    call = (lambda m, x: jax.vmap(m)(x)) if framework == "eqx" else (lambda m, x: m(x))  # noqa: E731
+    out = call(model, x)
+    positions = int(np.prod(out.shape[2:] if channel == 1 else out.shape[1:-1]))
+    ck, o = 4 * 3**dims, 5
+    assert (positions * (ck + o) < ck * o) == (route == "gram"), positions  # the case takes that route (_conv.py)
+    scale = jnp.linspace(0.5, 2.0, B)
+
+    def fun(m, x):
+        return scale * jnp.sum(jnp.tanh(call(m, x)).reshape(x.shape[0], -1) ** 2, axis=1)
+
+    ref = oracle_per_example(fun, model, x)
+    c = float(jnp.median(jnp.sqrt(ref.total)))
+
+    def ours(m, x):
+        _, sq = jt.per_example_norms(fun, fallback="error")(m, x)
+        return sq, jt.clipped_grad(fun, c, fallback="error")(m, x)[1]
+
+    for f in (ours, jit(ours)):
+        sq, clipped = f(model, x)
+        close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
+        close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
+
+
+@pytest.mark.slow  # ~10-30 s: with --long
+def test_conv_called_twice_against_jacrev():
+    """One Conv called twice per example (on the image and on its square): the two calls' G_i summed."""
+    from per_example_oracle import oracle_per_example
+
+    conv = to_dtype(eqx.nn.Conv2d(2, 3, 3, padding=1, key=KEY))
+
+    def fun(m, x):
+        return jax.vmap(lambda xi: jnp.sum(jnp.tanh(m(xi)) ** 2) + jnp.sum(jnp.sin(m(xi * xi))))(x)
+
+    x = data(B, 2, 6, 6)
+    ref = oracle_per_example(fun, conv, x)
+    c = float(jnp.median(jnp.sqrt(ref.total)))
+
+    def ours(m, x):
+        return jt.per_example_norms(fun, fallback="error")(m, x)[1], jt.clipped_grad(fun, c, fallback="error")(m, x)[1]
+
+    for f in (ours, jit(ours)):
+        sq, clipped = f(conv, x)
+        close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
+        close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
+
+
+class EqxConvStack(eqx.Module):
+    convs: eqx.nn.Conv2d  # three Conv2d stacked by eqx.filter_vmap, run with lax.scan
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.convs, eqx.is_array)
+        return jax.lax.scan(lambda h, p: (jnp.tanh(eqx.combine(p, static)(h)), None), x, params)[0]
+
+
+@pytest.mark.slow  # ~10-30 s: with --long
+def test_conv_stacked_in_scan_against_jacrev():
+    """Convolutions stacked in lax.scan: each step's slice of the weight is its own parameter."""
+    from per_example_oracle import oracle_per_example
+
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Conv2d(2, 2, 3, padding=1, key=k))(jax.random.split(KEY, 3))
+    model = to_dtype(EqxConvStack(stack))
+
+    def fun(m, x):
+        return jnp.sum(jax.vmap(m)(x).reshape(x.shape[0], -1) ** 2, axis=1)
+
+    x = data(B, 2, 6, 6)
+    ref = oracle_per_example(fun, model, x)
+    c = float(jnp.median(jnp.sqrt(ref.total)))
+
+    def ours(m, x):
+        return jt.per_example_norms(fun, fallback="error")(m, x)[1], jt.clipped_grad(fun, c, fallback="error")(m, x)[1]
+
+    for f in (ours, jit(ours)):
+        sq, clipped = f(model, x)
+        close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
+        close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
+
+
 # --- tied and shared weights -------------------------------------------------------------
 
 

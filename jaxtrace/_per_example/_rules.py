@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factors import HIGHEST, Index, Use
+from ._conv import ConvUse, conv_pads
+from ._factors import Index, Use
 
 __all__ = ["RULES", "Rule", "conv", "embedding", "ensure_rules", "linear", "norm", "register", "rule_for"]
 
@@ -282,23 +283,17 @@ _nnx_conv_ranks = functools.partial(_conv_ranks, window=_nnx_window)
 @register("equinox.nn.Conv", ranks=_eqx_conv_ranks, weight="weight", window=_eqx_window, out_last=False)
 @register("flax.nnx.Conv", ranks=_nnx_conv_ranks, weight="kernel", window=_nnx_window, out_last=True)
 def conv(m, x, g, *, weight, bias, window, out_last):
-    """Conv: each output position's input patch against its output gradient. ``out_last``: channels
-    last, the kernel ``(*k, in, out)`` (NNX); else channels first, the weight ``(out, in, *k)``."""
+    """Conv: each output position's input patch against its output gradient, as a ``ConvUse``
+    (``_conv.py``: the per-example gradient from shifted slices of the input, no patch tensor).
+    ``out_last``: channels last, the kernel ``(*k, in, out)`` (NNX); else channels first, the
+    weight ``(out, in, *k)``."""
     w = window(m)
-    b, l = x.shape[:2]
-    xs = x.reshape(b * l, *x.shape[2:])
-    if out_last:
-        xs = jnp.moveaxis(xs, -1, 1)  # NHWC -> NCHW
-    patches = jax.lax.conv_general_dilated_patches(
-        xs, w.kernel, w.strides, w.padding, lhs_dilation=w.lhs_dilation, rhs_dilation=w.rhs_dilation, precision=HIGHEST
-    )  # (N, in * prod(k), *out_spatial), features ordered (in, *k)
-    feats = patches.shape[1]
-    p = patches.reshape(b, l, feats, -1)
-    if out_last:  # features (*k, in), as the kernel
-        d = len(w.kernel)
-        p = jnp.moveaxis(p.reshape(b, l, xs.shape[1], *w.kernel, -1), 2, 2 + d).reshape(b, l, feats, -1)
-        gv = g.reshape(b, -1, g.shape[-1])
-    else:
-        gv = jnp.moveaxis(g.reshape(b, l, g.shape[2], -1), 2, 3).reshape(b, -1, g.shape[2])
-    bfac = jnp.moveaxis(p, 2, 3).reshape(b, -1, feats).astype(gv.dtype)
-    return _with_bias(m, bias, gv, {weight: Use(bfac, gv) if out_last else Use(gv, bfac)})
+    d = len(w.kernel)
+    if out_last:  # (B, L, *S, C) -> (B, L, C, *S)
+        x, g = jnp.moveaxis(x, -1, 2), jnp.moveaxis(g, -1, 2)
+    strides, lhs, rhs = (_per_axis(v, d) for v in (w.strides, w.lhs_dilation, w.rhs_dilation))
+    pads = conv_pads(x.shape[3:], tuple(w.kernel), strides, w.padding, lhs, rhs)
+    use = ConvUse(x, g, tuple(w.kernel), strides, pads, lhs, rhs, out_last)
+    b, o = g.shape[0], g.shape[2]
+    gv = jnp.moveaxis(g.reshape(*g.shape[:3], -1), 2, 3).reshape(b, -1, o)
+    return _with_bias(m, bias, gv, {weight: use})

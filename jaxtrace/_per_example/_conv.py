@@ -1,0 +1,143 @@
+"""A convolution's per-example weight gradient without the patch tensor.
+
+Example ``i``'s weight gradient of a convolution is, for each kernel offset ``k``, the input
+shifted by ``k`` (a strided slice of the padded, dilated input) against the output gradient:
+``G_i[o, c, k] = sum_t g_i[o, t] x_i[c, t + k]``. ``ConvUse`` holds one call's input and output
+gradient and forms ``G_i`` from those slices, one batched contraction per offset, never the
+``(B, T, C * prod(k))`` patches (``conv_general_dilated_patches`` builds them with a one-hot
+convolution, several times the cost of the layer on XLA:CPU). From ``G_i``: the squared norm,
+and the clipped sum ``sum_i w_i G_i`` (the same ``G_i``, shared by the two in one program).
+Where the Gram ("ghost") form takes fewer multiplications (few output positions ``T`` against
+wide channels) the norm comes from the patches, built from the same slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._factors import HIGHEST, Use
+
+__all__ = ["ConvUse", "conv_pads", "conv_sq_norm", "conv_weighted_sum"]
+
+
+def conv_pads(spatial: tuple, kernel: tuple, strides: tuple, padding, lhs_dilation: tuple, rhs_dilation: tuple) -> tuple:
+    """``padding`` (``"SAME"``, ``"SAME_LOWER"``, ``"VALID"`` or ``(lo, hi)`` pairs) as the pairs
+    ``lax.conv_general_dilated`` applies to the dilated input of spatial shape ``spatial``."""
+    if isinstance(padding, str):
+        dilated = tuple(0 if s == 0 else (s - 1) * d + 1 for s, d in zip(spatial, lhs_dilation))
+        window = tuple((k - 1) * d + 1 for k, d in zip(kernel, rhs_dilation))
+        padding = jax.lax.padtype_to_pads(dilated, window, strides, padding)
+    return tuple((int(lo), int(hi)) for lo, hi in padding)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvUse:
+    """One convolution call's factors: input ``x`` ``(B, L, C, *S)`` and output gradient ``g``
+    ``(B, L, O, *S_out)``, channels first; the leaf is ``(O, C, *k)``, or ``(*k, C, O)`` where
+    ``out_last`` (NNX's kernel)."""
+
+    x: jax.Array
+    g: jax.Array
+    kernel: tuple
+    strides: tuple
+    pads: tuple
+    lhs_dilation: tuple
+    rhs_dilation: tuple
+    out_last: bool
+
+    @property
+    def positions(self) -> int:
+        """Output positions per example, over its ``L`` calls: the Gram matrices' side."""
+        return int(np.prod(self.g.shape[1:2] + self.g.shape[3:], dtype=int))
+
+    def gram(self) -> bool:
+        """Whether the norm takes the Gram form: fewer multiplications than ``G_i``'s.
+
+        Per example the Gram form costs ``T * T * (C * K + O)`` (the patches' and the output
+        gradients' ``T x T`` products), ``G_i`` costs ``T * C * K * O``, so the Gram form only where
+        ``T * (C * K + O) < C * K * O``. That is stricter than Opacus's ``T * T < C * K * O``
+        (which compares the two's memory, and which it implies): on XLA:CPU a ``(64, 64)`` Gram
+        against a ``64 x 576`` patch width was the slower of the two.
+        """
+        ck = self.x.shape[2] * int(np.prod(self.kernel, dtype=int))
+        o = self.g.shape[2]
+        return self.positions * (ck + o) < ck * o
+
+    def _shifted(self, dtype) -> list:
+        """The input seen by each kernel offset (C order): ``(B, L, C, T)`` each."""
+        b, l, c = self.x.shape[:3]
+        xs = self.x.reshape(b * l, c, *self.x.shape[3:]).astype(dtype)
+        config = [(0, 0, 0), (0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(self.pads, self.lhs_dilation)]
+        xp = jax.lax.pad(xs, jnp.zeros((), dtype), config)
+        out = self.g.shape[3:]
+        views = []
+        for offset in np.ndindex(*self.kernel):
+            start = [k * d for k, d in zip(offset, self.rhs_dilation)]
+            stop = [s + (n - 1) * st + 1 for s, n, st in zip(start, out, self.strides)]
+            view = jax.lax.slice(xp, (0, 0, *start), (b * l, c, *stop), (1, 1, *self.strides))
+            views.append(view.reshape(b, l, c, -1))
+        return views
+
+    def _g(self, dtype):
+        b, l, o = self.g.shape[:3]
+        return self.g.reshape(b, l, o, -1).astype(dtype)
+
+    def per_example(self, dtype) -> jax.Array:
+        """``G_i`` for every example, ``(B, *leaf shape)``: one contraction per kernel offset."""
+        g = self._g(dtype)
+        parts = [jnp.einsum("blct,blot->boc", v, g, precision=HIGHEST) for v in self._shifted(dtype)]
+        grad = jnp.stack(parts, axis=-1).reshape(*g.shape[:1], g.shape[2], self.x.shape[2], *self.kernel)
+        return jnp.moveaxis(grad, (1, 2), (-1, -2)) if self.out_last else grad
+
+    def expand(self, dtype) -> Use:
+        """The patch factors (``Use``): the positions' input patches against their output gradients,
+        with the patch features in the leaf's order (``(C, *k)``, or ``(*k, C)`` where ``out_last``)."""
+        b, l, o = self.g.shape[:3]
+        p = jnp.stack(self._shifted(dtype), axis=3)  # (B, L, C, K, T)
+        p = jnp.moveaxis(p, 4, 2)  # (B, L, T, C, K)
+        if self.out_last:
+            p = jnp.swapaxes(p, 3, 4)
+        p = p.reshape(b, -1, p.shape[3] * p.shape[4])
+        gv = jnp.moveaxis(self._g(dtype), 2, 3).reshape(b, -1, o)
+        return Use(p, gv) if self.out_last else Use(gv, p)
+
+
+jax.tree_util.register_dataclass(
+    ConvUse, data_fields=["x", "g"], meta_fields=["kernel", "strides", "pads", "lhs_dilation", "rhs_dilation", "out_last"]
+)
+
+
+def conv_sq_norm(uses: list, dtype, generic) -> Optional[jax.Array]:
+    """The squared norm per example of a leaf whose uses include a ``ConvUse``, ``(B,)``.
+
+    One convolution: the Gram form where it is smaller, else ``|G_i|^2``. Several calls of one
+    convolution: ``|sum of their G_i|^2``. A convolution's use beside other kinds of use: every
+    use as patch factors, through ``generic`` (``_factors.sq_norm``).
+    """
+    if all(isinstance(u, ConvUse) for u in uses):
+        if len(uses) == 1 and uses[0].gram():
+            return generic([uses[0].expand(dtype)], dtype)
+        grad = sum(u.per_example(dtype) for u in uses)
+        return jnp.sum(jnp.square(grad).reshape(grad.shape[0], -1), axis=1)
+    return generic([u.expand(dtype) if isinstance(u, ConvUse) else u for u in uses], dtype)
+
+
+def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype) -> jax.Array:
+    """``sum_i weights[i] G_i`` of one convolution call, in the leaf's ``shape``.
+
+    From ``G_i`` (the very contraction the norm forms, so that the two share it in one program)
+    where the norm takes that route; else one contraction per kernel offset with the weighted
+    output gradient, the size of the ordinary weight gradient.
+    """
+    w = weights.astype(dtype)
+    if not use.gram():
+        return jnp.reshape(jnp.tensordot(w, use.per_example(dtype), 1), shape)
+    g = use._g(dtype) * w[:, None, None, None]
+    parts = [jnp.einsum("blct,blot->oc", v, g, precision=HIGHEST) for v in use._shifted(dtype)]
+    grad = jnp.stack(parts, axis=-1).reshape(g.shape[2], use.x.shape[2], *use.kernel)
+    return jnp.reshape(jnp.moveaxis(grad, (0, 1), (-1, -2)) if use.out_last else grad, shape)
