@@ -81,10 +81,6 @@ def _dense(f, dtype) -> jax.Array:
 
 def sq_norm(uses: list[Use], dtype) -> jax.Array:
     """Squared norm of ``sum over uses`` of the per-example gradient, per example: ``(B,)``."""
-    from ._conv import ConvUse, conv_sq_norm  # a convolution's uses: their own arithmetic (_conv.py)
-
-    if any(isinstance(u, ConvUse) for u in uses):
-        return conv_sq_norm(uses, dtype, sq_norm)
     if all(u.b is None for u in uses):
         total = sum(jnp.sum(_dense(u.a, dtype), axis=1) for u in uses)
         return jnp.sum(total * total, axis=-1)
@@ -123,13 +119,6 @@ def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> ja
     the factors then move only as the plain step's do (a weighted einsum over ``(b, k)`` had
     XLA gather each layer's input over the batch again: issue 33, +61% bytes under FSDP).
     """
-    from ._conv import ConvUse, conv_weighted_sum  # a convolution's uses: their own arithmetic (_conv.py)
-
-    convs = [u for u in uses if isinstance(u, ConvUse)]
-    if convs:
-        rest = [u for u in uses if not isinstance(u, ConvUse)]
-        own = sum(conv_weighted_sum(u, weights, shape, dtype) for u in convs)
-        return own + weighted_sum(rest, weights, shape, dtype) if rest else own
     total, w = 0.0, weights.astype(dtype)
     for u in uses:
         if u.b is None:

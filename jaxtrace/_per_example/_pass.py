@@ -24,7 +24,7 @@ from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
 from .._splice import bind_equation
 from .._tag import tag as _tag
-from ._factors import sq_norm, weighted_sum
+from ._leaf_sums import sq_norm, weighted_sum
 from ._plan import plan_for
 from ._owners import Every
 from ._proof import prove

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +35,12 @@ class Rule:
     them are batch, sequence and repeated-call axes), or ``None`` where this module's
     configuration is not covered. ``factors(module, x, g)`` gets the input ``x`` of shape
     ``(B, L, *input)`` and output gradient ``g`` of shape ``(B, L, *output)`` and returns
-    ``{attribute name: Use}``. ``names`` are the parameter attributes it covers.
+    ``{attribute name: Use}`` (a convolution's weight: a ``ConvUse``, ``_conv.py``). ``names`` are
+    the parameter attributes it covers.
     """
 
     ranks: Ranks
-    factors: Callable[[Any, jax.Array, jax.Array], dict[str, Use]]
+    factors: Callable[[Any, jax.Array, jax.Array], dict[str, Union[Use, ConvUse]]]
     names: tuple[str, ...]
 
     def params(self, module) -> tuple[str, ...]:
