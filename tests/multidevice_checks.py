@@ -242,15 +242,16 @@ def all_reduces(compiled_text):
     return sum(1 for line in compiled_text.splitlines() if pattern.match(line))
 
 
-def hand_stats(g, stats):
-    """The hand-written statistics of one tag gradient: sums and a max of |g|, no scaling."""
-    a = jnp.abs(g)
+def hand_stats(g, stats, keep=0):
+    """The hand-written statistics of one tag gradient: sums and a max of |g|, no scaling, over all
+    but the first ``keep`` axes."""
+    a, axes = jnp.abs(g), tuple(range(keep, g.ndim))
     table = {
-        "norm": lambda: jnp.sqrt(jnp.sum(a**2)),
-        "rms": lambda: jnp.sqrt(jnp.mean(a**2)),
-        "mean_abs": lambda: jnp.mean(a),
-        "max_abs": lambda: jnp.max(a),
-        "nonfinite": lambda: jnp.mean(~jnp.isfinite(a)),
+        "norm": lambda: jnp.sqrt(jnp.sum(a**2, axis=axes)),
+        "rms": lambda: jnp.sqrt(jnp.mean(a**2, axis=axes)),
+        "mean_abs": lambda: jnp.mean(a, axis=axes),
+        "max_abs": lambda: jnp.max(a, axis=axes),
+        "nonfinite": lambda: jnp.mean(~jnp.isfinite(a), axis=axes),
     }
     return {s: table[s]() for s in stats}
 
@@ -260,9 +261,12 @@ def stats_one_all_reduce_round():
     """A sharded jt.stats step has no more all-reduces than sqrt(sum(g**2)) written by hand.
 
     Data parallel (the batch over all 8 devices), 4x2 tensor parallel (Megatron-style
-    w1/w2, the batch over 'data') and FSDP (the parameters and the batch over 'data'), stats="norm" and all statistics, float32: the compiled
-    HLO's all-reduce count, and the numbers, against the hand-written program with the same
-    statistics (the + eps oracle, its tag gradients reduced by hand).
+    w1/w2, the batch over 'data'), FSDP (the parameters and the batch over 'data') and a
+    shard_map step (the loss written per shard, the batch over both mesh axes), stats="norm" and
+    all statistics, float32: the compiled HLO's all-reduce count, and the numbers, against the
+    hand-written program with the same statistics (the + eps oracle, its tag gradients reduced
+    by hand). Huge (squares overflow) and tiny (squares underflow) values, sharded three ways,
+    give the float64 numbers.
     """
     layouts = {
         "data parallel": ({"w1": P(), "b1": P(), "w2": P()}, P(("data", "model"))),
@@ -291,17 +295,66 @@ def stats_one_all_reduce_round():
         return step
 
     mesh = mesh2d()
-    for layout, (param_specs, batch_spec) in layouts.items():
+    batch = P(("data", "model"))
+
+    # shard_map: the loss per shard; a tag in the body has one leading axis per mesh axis (one
+    # gradient per shard), kept by jt.stats like a loop axis, so the statistics are per shard.
+    def sm_body(p, x, y, mark):
+        return lax.pmean(mlp_loss(p, x, y, mark, lambda h: h), ("data", "model"))
+
+    def sm_loss(p, x, y):
+        return smap(lambda p, x, y: sm_body(p, x, y, jt.tag), mesh, (P(), batch, batch), P(), True)(p, x, y)
+
+    def sm_hand(stats):
+        def step(p, x, y):
+            eps = {"h": jnp.zeros((4, 2, 2, 4), jnp.float32), "out": jnp.zeros((4, 2, 2, 2), jnp.float32)}
+
+            def marked(p, e):
+                def body(p, x, y, e):
+                    return sm_body(p, x, y, plus_eps({n: v.reshape(v.shape[2:]) for n, v in e.items()}))
+
+                e_specs = {"h": P("data", "model"), "out": P("data", "model")}
+                return smap(body, mesh, (P(), batch, batch, e_specs), P(), True)(p, x, y, e)
+
+            value, (grads, tag_grads) = eps_oracle(marked, p, eps, argnums=(0, 1), value=True)
+            return value, grads, {n: hand_stats(g, stats, keep=2) for n, g in tag_grads.items()}
+
+        return step
+
+    def sm_ours(stats):
+        def step(p, x, y):
+            value, (grads, tag_stats) = jt.stats.value_and_grad(sm_loss, stats=stats)(p, x, y)
+            return value, grads, tag_stats
+
+        return step
+
+    everything = ("norm", "rms", "mean_abs", "max_abs", "nonfinite")
+    steps = {layout: (specs, batch_spec, hand, ours) for layout, (specs, batch_spec) in layouts.items()}
+    steps["shard_map"] = ({"w1": P(), "b1": P(), "w2": P()}, batch, sm_hand, sm_ours)
+    for layout, (param_specs, batch_spec, hand_of, ours_of) in steps.items():
         params = put(params32, mesh, param_specs)
         x, y = put((x32, y32), mesh, (batch_spec, batch_spec))
-        for stats in (("norm",), ("norm", "rms", "mean_abs", "max_abs", "nonfinite")):
-            want_step, got_step = jax.jit(hand(stats)), jax.jit(ours(stats))
-            want_n = all_reduces(want_step.lower(params, x, y).compile().as_text())
-            got_n = all_reduces(got_step.lower(params, x, y).compile().as_text())
+        for stats in (("norm",), everything):
+            want_step, got_step = jax.jit(hand_of(stats)), jax.jit(ours_of(stats))
+            want_text = want_step.lower(params, x, y).compile().as_text()
+            got_text = got_step.lower(params, x, y).compile().as_text()
+            want_n, got_n = all_reduces(want_text), all_reduces(got_text)
             assert 1 <= got_n <= want_n, f"{layout}, stats={stats}: {got_n} all-reduces, the hand program {want_n}"
             want, got = want_step(params, x, y), got_step(params, x, y)
             for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, err_msg=f"{layout}, {stats}")
+    # out of range, sharded: the float64 numbers (rounded to float32)
+    summarize = jax.jit(lambda g: jt.stats.summarize({"g": g}, stats=everything)["g"])
+    for spec in (batch, P("data", "model"), P(None, "model")):
+        for scale in (1e25, 1e-25):
+            g = (np.asarray(X @ PARAMS["w1"], np.float64) * scale).astype(np.float32)  # (16, 4)
+            sharded = jax.device_put(g, NamedSharding(mesh, spec))
+            got, w = summarize(sharded), np.abs(g.astype(np.float64))
+            want = {"norm": np.sqrt(np.sum(w**2)), "rms": np.sqrt(np.mean(w**2)), "mean_abs": np.mean(w),
+                    "max_abs": np.max(w), "nonfinite": 0.0}
+            for stat in everything:
+                np.testing.assert_allclose(np.asarray(got[stat]), np.float32(want[stat]), rtol=2e-6, atol=0,
+                                           err_msg=f"{spec}, scale {scale}: {stat}")
 
 
 # --- per-example gradients under FSDP ------------------------------------------------

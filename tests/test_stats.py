@@ -163,6 +163,26 @@ def test_float32_sums_of_squares_out_of_range(case, maybe_jit):
         np.testing.assert_allclose(np.asarray(out[stat]), expected, rtol=2e-6, atol=0, err_msg=f"{case}: {stat}")
 
 
+def test_float32_out_of_range_per_step_and_per_example(maybe_jit):
+    """Each kept step (each row) gets its own scale: an ordinary or all-zero step beside a huge or a
+    tiny one keeps its plain numbers; the same under jax.vmap."""
+    rows = [[3e30, -4e30, 1e25], [3e-30, -4e-30, 1e-35], [1.5, -2.0, 0.25], [0.0, 0.0, 0.0], [3e38, -3e38, 0.0]]
+    g = np.array(rows, np.float32)
+    want = numpy_stats(g.astype(np.float64), 1)
+    per_step = maybe_jit(lambda g: stats.summarize({"g": g}, stats=ALL, loop_axes=1))(jnp.asarray(g))["g"]
+    one = lambda row: stats.summarize({"g": row}, stats=ALL)["g"]  # noqa: E731
+    per_row = maybe_jit(jax.vmap(one))(jnp.asarray(g))
+    for out in (per_step, per_row):
+        for stat in ALL:
+            with np.errstate(over="ignore"):
+                expected = want[stat].astype(np.float32)
+            np.testing.assert_allclose(np.asarray(out[stat]), expected, rtol=2e-6, atol=0, err_msg=stat)
+    # ordinary steps alone: the plain sums, bit for bit what sqrt(sum(g**2)) gives
+    ordinary = jnp.asarray(g[2:4])
+    norm = maybe_jit(lambda g: stats.summarize({"g": g}, stats="norm", loop_axes=1))(ordinary)["g"]["norm"]
+    np.testing.assert_array_equal(np.asarray(norm), np.asarray(jnp.sqrt(jnp.sum(ordinary**2, axis=1))))
+
+
 @pytest.mark.long_eager
 def test_empty_values_and_rms_in_loops(maybe_jit):
     """No entries: norm 0, mean and rms nan, no non-finite entries; rms keeps loop axes like the rest."""
