@@ -599,3 +599,27 @@ def test_a_layer_called_inside_a_custom_rule_takes_the_exact_path(jit, mix):
     check(losses, TWO, X, Y, jit=jit, on_factors=False)
     with pytest.raises(jt.TagError, match=r"'first\.weight'.*called inside a function with a custom derivative rule"):
         jt.per_example_norms(losses, fallback="error")(TWO, X, Y)
+
+
+@jax.custom_vjp
+def half_gradient(w):
+    """The identity, whose backward pass halves the gradient (the weight is not the leaf to JAX's gradient)."""
+    return w
+
+
+half_gradient.defvjp(lambda w: (w, None), lambda _, g: (0.5 * g,))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_weight_passed_through_a_custom_rule_takes_the_exact_path(jit):
+    """An identity `custom_vjp` between the leaf and its layer whose backward pass halves the gradient:
+    the layer multiplies the leaf's value, but JAX's gradient to the leaf is the rule's (the factors
+    would give 4x the squared norm); the exact path."""
+
+    def losses(m, x, y):
+        first = eqx.tree_at(lambda l: l.weight, m.first, half_gradient(m.first.weight))
+        return jnp.sum((jax.vmap(m.second)(jnp.tanh(jax.vmap(first)(x))) - y) ** 2, axis=-1)
+
+    check(losses, TWO, X, Y, jit=jit, on_factors=False)
+    with pytest.raises(jt.TagError, match=r"'first\.weight'.*multiplies a value computed from it"):
+        jt.per_example_norms(losses, fallback="error")(TWO, X, Y)

@@ -18,8 +18,9 @@ reads both from the jaxpr of ``fun(leaves)``, never from shapes:
 - **Which leaf each covered layer's parameters are** (forward): the plan tags each
   layer's parameters as ``"<path>:params:<attribute>"`` when it is called; the operand of
   that tag is the leaf itself, one scan step's slice of a leaf (a stacked layer), or
-  something computed from leaves (``stop_gradient``, a mask, a LoRA sum, a tie): then not
-  the leaf, and the leaf's gradient takes the exact path.
+  something computed from leaves (``stop_gradient``, a mask, a LoRA sum, a tie, the output
+  of a custom derivative rule, even an identity whose backward pass scales the gradient):
+  then not the leaf, and the leaf's gradient takes the exact path.
 - **Custom derivative rules**: JAX differentiates a ``custom_jvp``/``custom_vjp`` call by
   its rule, which may mix examples where its primal body does not (a backward pass centred
   over the batch). The body gives each operand's candidate ownership; the call's pullback
@@ -170,6 +171,8 @@ class _Analysis:
                 self._tag(eqn, ins[0], ctx, steps)
             elif kind in _higher_order.CALL_LIKE:
                 outs, out_deps = self._call(_higher_order.body(eqn), ins, in_deps, (*ctx, eqn), steps)
+                if kind == _higher_order.CUSTOM and self.rules:
+                    outs = [None] * len(eqn.outvars)  # a leaf through a custom rule is not the leaf to JAX's gradient
             elif kind == _higher_order.COND:
                 for branch in _equation_params.cond_branches(eqn):
                     _, bd = self._call(branch, ins[1:], in_deps[1:], (*ctx, eqn, branch), steps)
