@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
 from .. import _compat, _equation_params, _higher_order
@@ -456,7 +457,6 @@ class _Analysis:
 def _pullback_jaxpr(eqn, diff_out: list):
     """The jaxpr of ``(operands, cotangents of the outputs diff_out) -> operand cotangents`` of one
     equation: ``jax.vjp`` of it, so that a custom rule is what runs."""
-    import jax
 
     def spec(a):
         return jax.ShapeDtypeStruct(shape_of(a), a.aval.dtype)
