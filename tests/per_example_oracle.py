@@ -7,7 +7,9 @@ Flax NNX: the ``nnx.Param`` state, as ``nnx.grad`` differentiates), and derives 
 rows each example's per-leaf squared norms, the total squared norms and the clipped sum
 ``sum_i min(1, C / |g_i|) g_i``. It assumes nothing about the batch: no argument is split,
 closures, keywords, any layout and even interacting examples are fine (row ``i`` is then
-``d losses[i] / d params`` whatever ``losses[i]`` reads). It never imports jaxtrace.
+``d losses[i] / d params`` whatever ``losses[i]`` reads, through whatever custom derivative
+rules JAX runs). It never imports jaxtrace. At the end: custom derivative rules the per-example
+tests call, some mixing the examples in their derivative alone.
 
 Use it in float64 (``jax_enable_x64``, a float64 model): that is what makes a 1e-10
 comparison meaningful. ``float64=True`` (the default) refuses a model with other
@@ -147,3 +149,42 @@ def finite_difference_row(losses_fn, model, *args, i: int = 0, leaf: int = 0, in
         return losses_fn(rebuild(jax.tree.unflatten(treedef, ls)), *args, **kwargs)[i]
 
     return (at(h) - at(-h)) / (2 * h)
+
+
+# --- custom derivative rules (whose derivative the definition takes as JAX does) ------------------
+
+
+@jax.custom_vjp
+def centred_backward(h):
+    """The identity, whose backward pass subtracts the cotangent's mean over the first axis."""
+    return h
+
+
+centred_backward.defvjp(lambda h: (h, None), lambda _, g: (g - jnp.mean(g, axis=0),))
+
+
+@jax.custom_vjp
+def batch_normalised_ste(h):
+    """A straight-through estimator (rounding) whose backward pass divides by the RMS of the cotangent over the first axis."""
+    return jnp.round(h)
+
+
+batch_normalised_ste.defvjp(lambda h: (jnp.round(h), None), lambda _, g: (g / jnp.sqrt(1.0 + jnp.mean(g**2, axis=0)),))
+
+
+@jax.custom_jvp
+def centred_tangent(h):
+    """The identity, whose tangent is centred over the first axis (so is its transpose, the cotangent)."""
+    return h
+
+
+centred_tangent.defjvp(lambda primals, tangents: (primals[0], tangents[0] - jnp.mean(tangents[0], axis=0)))
+
+
+@jax.custom_vjp
+def clipped_backward(h):
+    """The identity, whose backward pass clips each element of the cotangent: each element's own."""
+    return h
+
+
+clipped_backward.defvjp(lambda h: (h, None), lambda _, g: (jnp.clip(g, -0.05, 0.05),))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxtrace as jt
+from per_example_oracle import batch_normalised_ste, centred_backward, centred_tangent, clipped_backward
 
 # Each test runs under jit (always) and without it (jit=False, with --long: the eager passes
 # take 5-35 s each on 2 cores).
@@ -296,9 +297,33 @@ def test_freezing_with_eqx_partition(jit):
     gpt = GPT(KEYS[0])  # position ids inside the model, the token embedding frozen
     params, static = eqx.partition(gpt, frozen_spec(gpt, lambda m: m.tok))
     check(lambda p, s, ids: lm_losses(eqx.combine(p, s), ids), params, static, IDS, jit=jit)
-    # a LayerNorm's scale frozen, its bias trained: the rule reads the scale, so the bias takes the exact path
-    params, static = eqx.partition(gpt, frozen_spec(gpt, lambda m: m.ln.weight))
-    check(lambda p, s, ids: lm_losses(eqx.combine(p, s), ids), params, static, IDS, jit=jit, on_factors=False)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("frozen", ["ln.weight", "ln.bias", "lin.weight", "lin.bias"])
+def test_freezing_one_parameter_of_a_layer_with_eqx_partition_stays_on_factors(jit, frozen):
+    """One parameter of a LayerNorm (and an RMSNorm with a bias) or a Linear frozen by `eqx.partition`,
+    the other trained: the frozen one is `None` in the model the transform is given. The rules read the
+    layer's configuration, never its arrays (a norm's scale factor is `g * xhat`, with no scale in it),
+    so the trained one stays on factors."""
+    layer, part = frozen.split(".")
+    gpt = GPT(KEYS[0])
+    params, static = eqx.partition(gpt, frozen_spec(gpt, lambda m: getattr(getattr(m, layer), part)))
+    check(lambda p, s, ids: lm_losses(eqx.combine(p, s), ids), params, static, IDS, jit=jit)
+    if layer != "ln":
+        return
+
+    class Normed(eqx.Module):
+        norm: eqx.nn.RMSNorm
+        mlp: eqx.nn.MLP
+
+        def __call__(self, x):
+            return self.mlp(self.norm(x))
+
+    model = Normed(eqx.nn.RMSNorm(3, use_bias=True), eqx.nn.MLP(3, 2, 5, 1, key=KEYS[1]))
+    model = eqx.tree_at(lambda m: (m.norm.weight, m.norm.bias), model, (jnp.arange(1.0, 4.0), jnp.array([0.1, -0.2, 0.3])))
+    params, static = eqx.partition(model, frozen_spec(model, lambda m: getattr(m.norm, part)))
+    check(lambda p, s, x, y: mse(eqx.combine(p, s), x, y), params, static, X, Y, jit=jit)
 
 
 def test_freezing_with_eqx_partition_in_a_closure_says_what_to_do():
@@ -473,3 +498,128 @@ def test_losses_in_shard_map_over_the_batch_are_exact():
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     for name, outcome in json.loads(lines[-1]).items():
         assert outcome == "ok", f"{name}:\n{outcome}"
+
+
+# --- custom derivative rules --------------------------------------------------------
+#
+# The proof reads the primal program; JAX differentiates a `custom_vjp`/`custom_jvp` call by its
+# rule. A rule that mixes examples where its primal does not (a backward pass centred over the
+# batch) gives each example's gradient the other examples' too: by the definition (`jacrev`),
+# not the layers' factors.
+
+
+class TwoLayers(eqx.Module):
+    first: eqx.nn.Linear
+    second: eqx.nn.Linear
+
+
+TWO = TwoLayers(eqx.nn.Linear(3, 5, key=KEYS[0]), eqx.nn.Linear(5, 2, key=KEYS[3]))
+
+
+def custom_between(custom, inside_vmap):
+    """Losses of ``second(tanh(custom(first(x))))``: ``custom`` on the batch, or inside ``jax.vmap`` per example."""
+
+    def losses(m, x, y):
+        if inside_vmap:
+            out = jax.vmap(lambda x: m.second(jnp.tanh(custom(m.first(x)))))(x)
+        else:
+            out = jax.vmap(m.second)(jnp.tanh(custom(jax.vmap(m.first)(x))))
+        return jnp.sum((out - y) ** 2, axis=-1)
+
+    return losses
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("custom", [centred_backward, batch_normalised_ste, centred_tangent], ids=lambda f: f.__name__)
+def test_a_custom_rule_that_mixes_examples_takes_the_exact_path(jit, custom):
+    """Called on the batch, a rule that mixes examples: the leaves before it take the exact path (the
+    pullback of the losses vector against each basis vector, which runs the rule as `jacrev` does), the
+    ones after it stay on factors; `fallback="error"` names the call and its line."""
+    losses = custom_between(custom, inside_vmap=False)
+    check(losses, TWO, X, Y, jit=jit, on_factors=False)
+    with pytest.raises(jt.TagError, match=r"'first\.weight'.*custom_[jv][vj]p_call.*test_per_example_proof\.py"):
+        jt.per_example_norms(losses, fallback="error")(TWO, X, Y)
+    second_only = lambda m, x, y: losses(eqx.tree_at(lambda t: t.first, m, replace_fn=lambda l: jax.tree.map(jax.lax.stop_gradient, l)), x, y)  # noqa: E731
+    check(second_only, TWO, X, Y, jit=jit, on_factors=False)  # the first layer's leaves: zero, not on factors
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("custom", [centred_backward, batch_normalised_ste, centred_tangent], ids=lambda f: f.__name__)
+def test_a_custom_rule_inside_vmap_over_the_examples_stays_on_factors(jit, custom):
+    """The same rules called inside `jax.vmap` over the examples: JAX batches the rule, which then mixes
+    the positions of one example only; proven from the rule, on factors."""
+    check(custom_between(custom, inside_vmap=True), TWO, X, Y, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_custom_rules_of_one_example_stay_on_factors(jit):
+    """`jax.nn.relu` and `jax.nn.softmax` (custom_jvp) inside `jax.vmap(model)` and on the batch, a
+    softmax cross-entropy, and a backward pass that clips each cotangent element on the batch: rules
+    that keep each example's positions to themselves, on factors."""
+    relu_mlp = eqx.nn.MLP(3, 4, 5, 2, activation=jax.nn.relu, key=KEYS[5])
+    labels = jnp.arange(B) % 4
+
+    def cross_entropy(m, x, labels):
+        logits = jax.vmap(m)(x)
+        return -jnp.sum(jax.nn.one_hot(labels, 4) * jnp.log(jax.nn.softmax(logits, axis=-1)), axis=-1)
+
+    check(cross_entropy, relu_mlp, X, labels, jit=jit)
+    batched = lambda m, x, y: jnp.sum((jax.vmap(m.second)(jax.nn.softmax(jax.nn.relu(jax.vmap(m.first)(x)), axis=-1)) - y) ** 2, axis=-1)  # noqa: E731
+    check(batched, TWO, X, Y, jit=jit)
+    check(custom_between(clipped_backward, inside_vmap=False), TWO, X, Y, jit=jit)
+
+
+def custom_block(mix):
+    """``vmap(layer)`` as a `custom_vjp` function whose backward pass is JAX's own, centred over the batch with ``mix``."""
+
+    @jax.custom_vjp
+    def block(layer, x):
+        return jax.vmap(layer)(x)
+
+    def fwd(layer, x):
+        return jax.vjp(lambda layer, x: jax.vmap(layer)(x), layer, x)
+
+    def bwd(vjp, g):
+        return vjp(g - jnp.mean(g, axis=0) if mix else g)
+
+    block.defvjp(fwd, bwd)
+    return block
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("mix", [False, True])
+def test_a_layer_called_inside_a_custom_rule_takes_the_exact_path(jit, mix):
+    """A covered layer called inside a `custom_vjp` function: JAX differentiates the rule, so its tags have
+    no gradient; its leaves take the exact path (no TagError about the tag), and say so with "error"."""
+    block = custom_block(mix)
+
+    def losses(m, x, y):
+        return jnp.sum((jax.vmap(m.second)(jnp.tanh(block(m.first, x))) - y) ** 2, axis=-1)
+
+    check(losses, TWO, X, Y, jit=jit, on_factors=False)
+    with pytest.raises(jt.TagError, match=r"'first\.weight'.*called inside a function with a custom derivative rule"):
+        jt.per_example_norms(losses, fallback="error")(TWO, X, Y)
+
+
+@jax.custom_vjp
+def half_gradient(w):
+    """The identity, whose backward pass halves the gradient (the weight is not the leaf to JAX's gradient)."""
+    return w
+
+
+half_gradient.defvjp(lambda w: (w, None), lambda _, g: (0.5 * g,))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_weight_passed_through_a_custom_rule_takes_the_exact_path(jit):
+    """An identity `custom_vjp` between the leaf and its layer whose backward pass halves the gradient:
+    the layer multiplies the leaf's value, but JAX's gradient to the leaf is the rule's (the factors
+    would give 4x the squared norm); the exact path."""
+
+    def losses(m, x, y):
+        first = eqx.tree_at(lambda l: l.weight, m.first, half_gradient(m.first.weight))
+        return jnp.sum((jax.vmap(m.second)(jnp.tanh(jax.vmap(first)(x))) - y) ** 2, axis=-1)
+
+    check(losses, TWO, X, Y, jit=jit, on_factors=False)
+    with pytest.raises(jt.TagError, match=r"'first\.weight'.*multiplies a value computed from it"):
+        jt.per_example_norms(losses, fallback="error")(TWO, X, Y)

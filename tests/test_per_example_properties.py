@@ -7,8 +7,9 @@ uncovered ones (a raw parameter added, multiplied or matmul'd; a custom module),
 *class*: how a DP-SGD user calls it (``jax.vmap(model)``, position ids ``arange(T)`` into an
 Embedding inside the model, a learned ``(T, d)`` table, a layer called twice or at two
 shapes, a ``lax.scan`` over a ``filter_vmap``-built stack, ``jax.checkpoint``/``filter_jit``
-inside, ties, transformed weights, freezing with ``eqx.partition``, negative ids, mixed dtypes,
-batch layouts) or an *interacting* reduction over the batch (centring, BatchNorm-like, in-batch
+inside, ties, transformed weights, freezing with ``eqx.partition`` (a norm's scale or bias alone too),
+negative ids, mixed dtypes, batch layouts, custom derivative rules that mix the examples in their
+derivative alone or keep them apart) or an *interacting* reduction over the batch (centring, BatchNorm-like, in-batch
 contrastive, a second call of the model on a batch statistic of its first outputs or on another
 example's outputs).
 Every program returns losses of shape ``(B,)``.
@@ -48,6 +49,7 @@ nnx = pytest.importorskip("flax.nnx")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from per_example_oracle import batch_normalised_ste, centred_backward, centred_tangent, clipped_backward  # noqa: E402
 from per_example_oracle import oracle_per_example, split_model  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -117,9 +119,20 @@ CLASSES = {
     ),
     "partitioned": Cls(
         "freezing with eqx.partition: fun(params, static, x, y) calls eqx.combine(params, static); a whole layer or "
-        "one weight frozen, static passed positionally or as a keyword",
+        "one weight frozen, static passed positionally or as a keyword; a norm's scale or bias frozen, the other trained",
         frameworks=("eqx",),
-        variants=("layer", "weight", "keyword"),
+        variants=("norm_bias", "layer", "weight", "keyword", "norm_weight"),
+    ),
+    "custom_rule_mixing": Cls(
+        "a custom_vjp / custom_jvp called on the batch whose derivative alone mixes the examples (a backward pass or "
+        "tangent centred over the batch, a straight-through estimator normalised over it); eqx: on the outputs, "
+        "NNX: on the hidden activations",
+        variants=("vjp", "jvp", "ste"),
+    ),
+    "custom_rule_per_example": Cls(
+        "custom rules that keep each example's positions apart: the mixing rules above inside jax.vmap over the "
+        "examples, jax.nn.relu and jax.nn.softmax (custom_jvp), a backward pass clipping each element",
+        variants=("vmap_vjp", "vmap_jvp", "relu_softmax", "clip"),
     ),
 }
 COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint")
@@ -688,17 +701,38 @@ def b_second_call(kit, p):
 
 
 def b_partitioned(kit, p):
+    if p.variant.startswith("norm_"):
+        p = dataclasses.replace(p, body=("layernorm", *p.body))
     built = b_batched(kit, p)
     model, fun = built.model, built.fun
     spec = jax.tree.map(eqx.is_inexact_array, model)
     if p.variant == "layer":
         spec = eqx.tree_at(lambda m: m.parts["inp"], spec, replace_fn=lambda node: jax.tree.map(lambda _: False, node))
+    elif p.variant.startswith("norm_"):  # one of the LayerNorm's parameters frozen, the other trained
+        spec = eqx.tree_at(lambda m: getattr(m.parts["body0"], p.variant[5:]), spec, False)
     else:
         spec = eqx.tree_at(lambda m: m.parts["head"].weight, spec, False)
     params, static = eqx.partition(model, spec)
     if p.variant == "keyword":
         return Built(params, lambda m, x, y, *, static: fun(eqx.combine(m, static), x, y), built.args, {"static": static})
     return Built(params, lambda m, static, x, y: fun(eqx.combine(m, static), x, y), (static, *built.args), {})
+
+
+def b_custom_rule_mixing(kit, p):
+    custom = {"vjp": centred_backward, "jvp": centred_tangent, "ste": batch_normalised_ste}[p.variant]
+    if not kit.eqx:  # the model runs on the batch: the rule on the hidden activations
+        return standard(kit, p, {}, lambda parts, h: custom(h))
+    built = b_batched(kit, p)
+    return dataclasses.replace(built, fun=lambda m, x, y: mse(custom(kit.run(m, x)), y))
+
+
+def b_custom_rule_per_example(kit, p):
+    if p.variant == "relu_softmax":  # NNX: on the batch, proven from the rules themselves
+        return standard(kit, p, {}, lambda parts, h: jax.nn.relu(h) + jax.nn.softmax(h, axis=-1))
+    custom = {"vmap_vjp": centred_backward, "vmap_jvp": centred_tangent, "clip": clipped_backward}[p.variant]
+    if p.variant == "clip" or kit.eqx:  # eqx: inside jax.vmap(model) already
+        return standard(kit, p, {}, lambda parts, h: custom(h))
+    return standard(kit, p, {}, lambda parts, h: jax.vmap(custom)(h))
 
 
 BUILDERS = {name[2:]: f for name, f in dict(globals()).items() if name.startswith("b_")}

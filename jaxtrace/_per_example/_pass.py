@@ -5,7 +5,8 @@ per-example gradients (``_proof``: independent examples, the weight is the leaf,
 example axis of each layer's output), runs one pass that gives every covered layer's input
 and output gradient, and turns the factors of each leaf's uses into per-leaf squared norms
 or, weighted per example, into the clipped sum. Every other leaf (no rule, used outside
-its layers, transformed before its layer, examples not proven apart at its layer) takes
+its layers, transformed before its layer, examples not proven apart at its layer, its layer
+called inside a custom derivative rule's function) takes
 the exact path: the definition, the pullback of the losses vector against each example's
 basis vector, or a ``TagError`` naming it under ``fallback="error"``.
 """
@@ -18,7 +19,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, _equation_params
+from .. import _compat, _equation_params, _higher_order
 from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
@@ -95,7 +96,10 @@ class Call:
                 "clipping bound) need independent examples: compute batch statistics outside `fun` (BatchNorm "
                 "in inference mode, GroupNorm or LayerNorm instead), and give each example a loss of its own."
             )
-        found = {p for p in paths if p in self.proof.occurrences}  # layers called where the proof reads
+        # layers called where the proof reads; not those called inside a custom derivative rule's
+        # function, whose gradient JAX takes from the rule (their tags have none: the exact path)
+        self.in_custom = {p: e for p in paths for e in _custom_around(self.proof.occurrences.get(p, ()))}
+        found = {p for p in paths if p in self.proof.occurrences and p not in self.in_custom}
         names = found | {p + INPUT_SUFFIX for p in found}
         self.shared_names = {}
         for k, use in enumerate(self.proof.shared):
@@ -179,6 +183,11 @@ class Call:
         where = self.proof.example_axis(layer.path, g.ndim, self.batch)
         if where is None:
             why = self.proof.unproven.get(layer.path)
+            if isinstance(why, Every) and why.eqn is not None and _higher_order.kind(why.eqn) == _higher_order.CUSTOM:
+                return None, (
+                    f"its output's gradient comes through a custom derivative rule ({_compat.construct(why.eqn)}) "
+                    "that is not proven to keep each example's cotangent to that example"
+                )
             return None, "its output reaches several examples' losses" + (
                 f" ({_compat.construct(why.eqn)})" if isinstance(why, Every) and why.eqn is not None else ""
             )
@@ -247,6 +256,13 @@ class Call:
         owned: dict = {}
         for layer in plan.layers:
             occs = self.proof.occurrences.get(layer.path, [])
+            if layer.path in self.in_custom:
+                for i in layer.leaves.values():
+                    why[i] = (
+                        f"its layer {layer.path!r} is called inside a function with a custom derivative rule "
+                        f"({_compat.construct(self.in_custom[layer.path])}), whose gradient JAX takes from the rule"
+                    )
+                continue
             if not layer.leaves or not occs or layer.path not in tag_cts:
                 continue  # never called: its leaves are zero unless used elsewhere (below)
             leaves = {}
@@ -287,11 +303,7 @@ class Call:
             factors = {}
             if set(leaves) - stepped:
                 xb, gb = _examples_first(xf, axis, inner, n_lead), _examples_first(g.astype(dt), axis, inner, n_lead)
-                try:
-                    factors = layer.rule.factors(layer.module, xb, gb)
-                except (TypeError, AttributeError) as e:  # a parameter the rule reads is frozen away (eqx.partition)
-                    for attr in set(leaves) - stepped:
-                        why[leaves[attr][1]] = f"the rule of its layer {layer.path!r} could not read the layer ({type(e).__name__}: {e})"
+                factors = layer.rule.factors(layer.module, xb, gb)
             for attr, (kind, i) in leaves.items():
                 item = ("steps", per_step.get(attr)) if attr in stepped else factors.get(attr)
                 if item is None or (attr in stepped and item[1] is None):
@@ -384,6 +396,15 @@ class Call:
         losses, pullback = jax.vjp(losses_of, [fixed[i] for i in missing])
         (rows,) = jax.vmap(pullback)(jnp.eye(self.batch, dtype=losses.dtype))
         return rows
+
+
+def _custom_around(occurrences) -> list:
+    """The outermost ``custom_jvp``/``custom_vjp`` equation around any of a layer's calls, or ``[]``."""
+    for occ in occurrences:
+        for eqn in occ.ctx:
+            if hasattr(eqn, "primitive") and _higher_order.kind(eqn) == _higher_order.CUSTOM:  # (a branch is a jaxpr)
+                return [eqn]
+    return []
 
 
 def _is_none(x) -> bool:

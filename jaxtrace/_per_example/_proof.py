@@ -18,8 +18,17 @@ reads both from the jaxpr of ``fun(leaves)``, never from shapes:
 - **Which leaf each covered layer's parameters are** (forward): the plan tags each
   layer's parameters as ``"<path>:params:<attribute>"`` when it is called; the operand of
   that tag is the leaf itself, one scan step's slice of a leaf (a stacked layer), or
-  something computed from leaves (``stop_gradient``, a mask, a LoRA sum, a tie): then not
-  the leaf, and the leaf's gradient takes the exact path.
+  something computed from leaves (``stop_gradient``, a mask, a LoRA sum, a tie, the output
+  of a custom derivative rule, even an identity whose backward pass scales the gradient):
+  then not the leaf, and the leaf's gradient takes the exact path.
+- **Custom derivative rules**: JAX differentiates a ``custom_jvp``/``custom_vjp`` call by
+  its rule, which may mix examples where its primal body does not (a backward pass centred
+  over the batch). The body gives each operand's candidate ownership; the call's pullback
+  (``jax.vjp`` of the equation, traced) is then read backward from those operand
+  cotangents, and each output cotangent must reach only its own example's. A rule that
+  fails (or cannot be traced) makes its operands reach every loss ("unknown"): the layers
+  before it take the exact path, which runs the rule as ``jacrev`` does. Inside ``jax.vmap``
+  over the examples JAX batches the rule itself, and it passes.
 - **Shared layer outputs**: a layer applied to a value shared by every example (position
   ids ``arange(T)`` inside ``jax.vmap(model)``) has an output that reaches every loss; it
   meets the examples where an elementwise operation broadcasts it against a per-example
@@ -35,9 +44,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+import jax
 import numpy as np
 
 from .. import _compat, _equation_params, _higher_order
+from .._splice import bind_equation
 from .._tag import is_tag
 from .._module_tags import PARAMS_SUFFIX  # "<path>:params:<attribute>": a layer's parameter where it reads it
 from ._owners import ELEMENTWISE, MULTI, OWNERS, SHAPE_ONLY, Axis, Every, axis_of, elementwise, inexact, shape_of, unit
@@ -128,8 +139,10 @@ def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set) -> Proof:
 
 
 class _Analysis:
-    def __init__(self, batch: int, layer_paths: set):
+    def __init__(self, batch: int, layer_paths: set, rules: bool = True):
         self.batch = batch
+        self.rules = rules  # read custom_jvp/custom_vjp calls by their rules (the program JAX differentiates)
+        self.rule_checks: dict = {}  # (id(eqn), outs, ins) -> whether its rule keeps the examples apart
         self.layer_paths = layer_paths
         self.occurrences: dict = {}
         self.pending: dict = {}  # (ctx, path) -> params seen since that layer's last call
@@ -159,6 +172,8 @@ class _Analysis:
                 self._tag(eqn, ins[0], ctx, steps)
             elif kind in _higher_order.CALL_LIKE:
                 outs, out_deps = self._call(_higher_order.body(eqn), ins, in_deps, (*ctx, eqn), steps)
+                if kind == _higher_order.CUSTOM and self.rules:
+                    outs = [None] * len(eqn.outvars)  # a leaf through a custom rule is not the leaf to JAX's gradient
             elif kind == _higher_order.COND:
                 for branch in _equation_params.cond_branches(eqn):
                     _, bd = self._call(branch, ins[1:], in_deps[1:], (*ctx, eqn, branch), steps)
@@ -280,7 +295,12 @@ class _Analysis:
         if every is not None:
             return [every] * len(eqn.invars)
         if _higher_order.kind(eqn) in _higher_order.CALL_LIKE:
-            return self._body(_higher_order.body(eqn), outs, (*ctx, eqn))
+            got = self._body(_higher_order.body(eqn), outs, (*ctx, eqn))
+            if _higher_order.kind(eqn) == _higher_order.CUSTOM and self.rules and not self._rule_keeps(eqn, outs, got):
+                every = Every("unknown", eqn)  # JAX differentiates it by a rule that mixes examples (or may)
+                self._body(_higher_order.body(eqn), [every] * len(outs), (*ctx, eqn))
+                return [every] * len(eqn.invars)
+            return got
         if _higher_order.kind(eqn) == _higher_order.COND:
             ins: list = [None] * len(eqn.invars)
             for branch in _equation_params.cond_branches(eqn):
@@ -297,6 +317,47 @@ class _Analysis:
         except Exception:  # a layout the rule does not read: reaches every loss, no claim made
             got = None
         return got if got is not None else [Every("unknown", eqn)] * len(eqn.invars)
+
+    def _rule_keeps(self, eqn, outs, ins) -> bool:
+        """Whether the derivative JAX takes of a ``custom_jvp``/``custom_vjp`` call (its rule, not its
+        primal body) keeps the examples apart as ``ins`` (the operand states read from the body) say.
+
+        The call's pullback ``(operands, cotangents) -> operand cotangents`` is traced (``jax.vjp``
+        of the equation: the rule as reverse mode runs it) and read backward from the operand
+        cotangents, each given its operand's state: each output cotangent must then reach only
+        its own example's operand cotangents, as ``outs`` has it. A rule that reads other
+        examples' cotangents (a backward pass centred over the batch), one that cannot be traced,
+        or an operand the body gives to no loss whose cotangent the rule fills, fails. Inside
+        ``jax.vmap`` over the examples JAX batches the rule itself, which then passes.
+        """
+        key = (id(eqn), tuple(outs), tuple(ins))
+        if key not in self.rule_checks:
+            self.rule_checks[key] = self._read_rule(eqn, outs, ins)
+        return self.rule_checks[key]
+
+    def _read_rule(self, eqn, outs, ins) -> bool:
+        diff_out = [k for k, v in enumerate(eqn.outvars) if inexact(v)]
+        try:
+            pullback = _pullback_jaxpr(eqn, diff_out)
+        except Exception:  # a rule that cannot be traced on its own: nothing is proven of it
+            return False
+        jaxpr, _ = _compat.jaxpr_and_consts(pullback)
+        wanted = []
+        for a, s in zip(eqn.invars, ins):
+            if isinstance(s, Axis) and inexact(a):
+                wanted.append(s)  # its cotangent must come from its own example's cotangents
+            elif s is None and inexact(a):
+                wanted.append(Every("unknown", eqn))  # the body gives it no loss: nor may the rule
+            else:
+                wanted.append(None)  # reaches every loss already (or no cotangent): no constraint
+        reader = _Analysis(self.batch, set(), rules=False)
+        n = len(jaxpr.constvars) + len(jaxpr.invars)
+        reader.forward(jaxpr, [None] * n, [False] * n, (), 0)
+        got = reader.backward(jaxpr, wanted, ())[len(jaxpr.constvars) + len(eqn.invars) :]
+        for k, state in zip(diff_out, got):
+            if outs[k] is not None and state is not None and state != outs[k]:
+                return False
+        return True
 
     def _body(self, body, outs, ctx) -> list:
         jaxpr, _ = _compat.jaxpr_and_consts(body)
@@ -391,6 +452,23 @@ class _Analysis:
                         return None
                     found.append((eqn, index, list(chain), ctx))
         return found
+
+
+def _pullback_jaxpr(eqn, diff_out: list):
+    """The jaxpr of ``(operands, cotangents of the outputs diff_out) -> operand cotangents`` of one
+    equation: ``jax.vjp`` of it, so that a custom rule is what runs."""
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(shape_of(a), a.aval.dtype)
+
+    def pullback(operands, cts):
+        outs, vjp = jax.vjp(lambda *xs: bind_equation(eqn, xs), *operands)
+        full = [np.zeros(np.shape(o), jax.dtypes.float0) for o in outs]
+        for k, ct in zip(diff_out, cts):
+            full[k] = ct
+        return vjp(full)
+
+    return jax.make_jaxpr(pullback)([spec(a) for a in eqn.invars], [spec(eqn.outvars[k]) for k in diff_out])
 
 
 def _users(jaxpr) -> tuple[dict, set]:

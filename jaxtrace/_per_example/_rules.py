@@ -35,8 +35,9 @@ class Rule:
     them are batch, sequence and repeated-call axes), or ``None`` where this module's
     configuration is not covered. ``factors(module, x, g)`` gets the input ``x`` of shape
     ``(B, L, *input)`` and output gradient ``g`` of shape ``(B, L, *output)`` and returns
-    ``{attribute name: Use}`` (a convolution's weight: a ``ConvUse``, ``_conv.py``). ``names`` are
-    the parameter attributes it covers.
+    ``{attribute name: Use}`` (a convolution's weight: a ``ConvUse``, ``_conv.py``); it reads the
+    module's configuration (shapes, flags, ``eps``), never its parameter arrays, which are ``None``
+    where ``eqx.partition`` froze them away. ``names`` are the parameter attributes it covers.
     """
 
     ranks: Ranks
@@ -124,6 +125,15 @@ def _has(module, name: Optional[str]) -> bool:
     return name is not None and getattr(module, name, None) is not None and bool(getattr(module, "use_" + name, True))
 
 
+def _uses(module, name: Optional[str]) -> bool:
+    """Whether ``module``'s configuration has the parameter ``name`` (set or not: a frozen half holds ``None``)."""
+    return name is not None and bool(getattr(module, "use_" + name, hasattr(module, name)))
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
 def _flat(x):
     """``(B, L, *feat)`` -> ``(B, L, prod(feat))``."""
     b, l = x.shape[:2]
@@ -187,12 +197,14 @@ def _nnx_norm_ranks(m):
 
 
 def _eqx_unit(m, weight, bias):
-    """The equinox layer with unit weight and zero bias, applied row by row."""
+    """The equinox layer with unit weight and zero bias, applied row by row: built from its configuration
+    (``shape``, ``use_weight``, ``use_bias``), not its arrays, which are ``None`` where frozen away
+    (the trained half of an ``eqx.partition``)."""
     import equinox as eqx
 
-    unit = eqx.tree_at(lambda n: getattr(n, weight), m, jnp.ones_like(getattr(m, weight)))
-    if _has(m, bias):
-        unit = eqx.tree_at(lambda n: getattr(n, bias), unit, jnp.zeros_like(getattr(m, bias)))
+    fill = {name: value for name, value in ((weight, jnp.ones(m.shape)), (bias, jnp.zeros(m.shape))) if _uses(m, name)}
+    names = tuple(fill)
+    unit = eqx.tree_at(lambda n: tuple(getattr(n, a) for a in names), m, tuple(fill.values()), is_leaf=_is_none)
     return jax.vmap(unit)
 
 

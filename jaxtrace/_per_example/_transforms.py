@@ -23,8 +23,8 @@ def per_example_norms(
     any leading axes (the Gram "ghost norm" form or the per-example gradient of that layer,
     whichever is smaller), Embedding, LayerNorm/RMSNorm scale and bias, and Conv. The
     conditions that make this exact are proven from the traced program (each layer output
-    position reaches one example's loss; the layer multiplies the leaf itself, or one scan
-    step's slice of it), never guessed from shapes; tied weights and repeated calls are one
+    position reaches one example's loss, through custom derivative rules as JAX runs them; the
+    layer multiplies the leaf itself, or one scan step's slice of it), never guessed from shapes; tied weights and repeated calls are one
     gradient per example with their cross terms. Every other leaf takes the exact path: the
     definition, the pullback of the losses vector against each example's basis vector, for
     those leaves only. Examples that interact (a batch mean of activations, BatchNorm in
