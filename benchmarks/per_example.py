@@ -34,6 +34,8 @@ import numpy as np
 
 import jaxtrace as jt
 
+import per_example_peers  # noqa: E402  (the same directory: its JAX models; torch is imported only where used)
+
 
 class Block(eqx.Module):
     ln1: eqx.nn.LayerNorm
@@ -55,27 +57,7 @@ class Block(eqx.Module):
         return h + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(jax.vmap(self.ln2)(h))))
 
 
-class CNN(eqx.Module):
-    """Issue 33's CNN (as in ``per_example_peers.py``): 3x3 convolutions, ReLU, 2x2 max pools, two Linears."""
-
-    convs: list
-    fc1: eqx.nn.Linear
-    fc2: eqx.nn.Linear
-
-    def __init__(self, image, channels, hidden, classes, key):
-        keys = jax.random.split(key, len(channels) + 2)
-        c_in = (3, *channels[:-1])
-        self.convs = [eqx.nn.Conv2d(i, o, 3, padding=1, key=k) for i, o, k in zip(c_in, channels, keys)]
-        flat = channels[-1] * (image // 2 ** len(channels)) ** 2
-        self.fc1 = eqx.nn.Linear(flat, hidden, key=keys[-2])
-        self.fc2 = eqx.nn.Linear(hidden, classes, key=keys[-1])
-
-    def __call__(self, x):  # x: (3, H, W), one example
-        for conv in self.convs:
-            x = jax.nn.relu(conv(x))
-            c, h, w = x.shape
-            x = jnp.max(x.reshape(c, h // 2, 2, w // 2, 2), axis=(2, 4))  # 2x2 max pool
-        return self.fc2(jax.nn.relu(self.fc1(x.reshape(-1))))
+CNN = per_example_peers.CNN  # issue 33's CNN: 3x3 convolutions, ReLU, 2x2 max pools, two Linears
 
 
 class Transformer(eqx.Module):
