@@ -97,6 +97,23 @@ def check(fun, model, *batch, fallback="vmap"):
     close(grads, jit(lambda m, c, *b: oracle_clipped(fun, c, m, *b))(model, max_norm, *batch))
 
 
+
+def check_on_factors(fun, model, *args):
+    """Norms and the clipped sum (max_norm the median norm) with ``fallback="error"``, eager and under
+    jit, against the definition: row ``i`` of ``jax.jacrev`` of the losses vector."""
+    from per_example_oracle import oracle_per_example
+
+    ref = oracle_per_example(fun, model, *args)
+    c = float(jnp.median(jnp.sqrt(ref.total)))
+
+    def ours(m, *args):
+        return jt.per_example_norms(fun, fallback="error")(m, *args)[1], jt.clipped_grad(fun, c, fallback="error")(m, *args)[1]
+
+    for f in (ours, jit(ours)):
+        sq, clipped = f(model, *args)
+        close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
+        close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
+
 # --- models ----------------------------------------------------------------------------
 
 
@@ -279,8 +296,6 @@ def _conv_model(framework, dims, kw):
 @pytest.mark.parametrize("route", ["gram", "slices"])
 @pytest.mark.parametrize("framework, dims, kw, sides", CONV_GEOMETRIES)
 def test_conv_geometry_against_jacrev(framework, dims, kw, sides, route):
-    from per_example_oracle import oracle_per_example
-
     model, channel = _conv_model(framework, dims, kw)
     side = sides[route == "slices"]
     shape = (B, 4, *[side] * dims) if channel == 1 else (B, *[side] * dims, 4)
@@ -295,40 +310,18 @@ def test_conv_geometry_against_jacrev(framework, dims, kw, sides, route):
     def fun(m, x):
         return scale * jnp.sum(jnp.tanh(call(m, x)).reshape(x.shape[0], -1) ** 2, axis=1)
 
-    ref = oracle_per_example(fun, model, x)
-    c = float(jnp.median(jnp.sqrt(ref.total)))
-
-    def ours(m, x):
-        _, sq = jt.per_example_norms(fun, fallback="error")(m, x)
-        return sq, jt.clipped_grad(fun, c, fallback="error")(m, x)[1]
-
-    for f in (ours, jit(ours)):
-        sq, clipped = f(model, x)
-        close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
-        close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
+    check_on_factors(fun, model, x)
 
 
 @pytest.mark.slow  # ~10-30 s: with --long
 def test_conv_called_twice_against_jacrev():
     """One Conv called twice per example (on the image and on its square): the two calls' G_i summed."""
-    from per_example_oracle import oracle_per_example
-
     conv = to_dtype(eqx.nn.Conv2d(2, 3, 3, padding=1, key=KEY))
 
     def fun(m, x):
         return jax.vmap(lambda xi: jnp.sum(jnp.tanh(m(xi)) ** 2) + jnp.sum(jnp.sin(m(xi * xi))))(x)
 
-    x = data(B, 2, 6, 6)
-    ref = oracle_per_example(fun, conv, x)
-    c = float(jnp.median(jnp.sqrt(ref.total)))
-
-    def ours(m, x):
-        return jt.per_example_norms(fun, fallback="error")(m, x)[1], jt.clipped_grad(fun, c, fallback="error")(m, x)[1]
-
-    for f in (ours, jit(ours)):
-        sq, clipped = f(conv, x)
-        close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
-        close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
+    check_on_factors(fun, conv, data(B, 2, 6, 6))
 
 
 class EqxConvStack(eqx.Module):
@@ -342,25 +335,13 @@ class EqxConvStack(eqx.Module):
 @pytest.mark.slow  # ~10-30 s: with --long
 def test_conv_stacked_in_scan_against_jacrev():
     """Convolutions stacked in lax.scan: each step's slice of the weight is its own parameter."""
-    from per_example_oracle import oracle_per_example
-
     stack = eqx.filter_vmap(lambda k: eqx.nn.Conv2d(2, 2, 3, padding=1, key=k))(jax.random.split(KEY, 3))
     model = to_dtype(EqxConvStack(stack))
 
     def fun(m, x):
         return jnp.sum(jax.vmap(m)(x).reshape(x.shape[0], -1) ** 2, axis=1)
 
-    x = data(B, 2, 6, 6)
-    ref = oracle_per_example(fun, model, x)
-    c = float(jnp.median(jnp.sqrt(ref.total)))
-
-    def ours(m, x):
-        return jt.per_example_norms(fun, fallback="error")(m, x)[1], jt.clipped_grad(fun, c, fallback="error")(m, x)[1]
-
-    for f in (ours, jit(ours)):
-        sq, clipped = f(model, x)
-        close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
-        close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
+    check_on_factors(fun, model, data(B, 2, 6, 6))
 
 
 # --- tied and shared weights -------------------------------------------------------------

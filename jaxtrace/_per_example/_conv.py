@@ -14,13 +14,11 @@ wide channels) the norm comes from the patches, built from the same slices.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factors import HIGHEST, Use
+from ._factors import HIGHEST, Use, sq_norm
 
 __all__ = ["ConvUse", "conv_pads", "conv_sq_norm", "conv_weighted_sum"]
 
@@ -87,12 +85,19 @@ class ConvUse:
         b, l, o = self.g.shape[:3]
         return self.g.reshape(b, l, o, -1).astype(dtype)
 
+    def _by_offset(self, g, per_example: bool, dtype) -> jax.Array:
+        """The shifted inputs against the output gradient ``g`` ``(B, L, O, T)``, one contraction per
+        kernel offset, in the leaf's layout: ``(B, *leaf shape)`` (``per_example``) or the leaf's shape
+        (summed over the examples)."""
+        spec, lead = ("blct,blot->boc", g.shape[:1]) if per_example else ("blct,blot->oc", ())
+        parts = [jnp.einsum(spec, v, g, precision=HIGHEST) for v in self._shifted(dtype)]
+        grad = jnp.stack(parts, axis=-1).reshape(*lead, g.shape[2], self.x.shape[2], *self.kernel)
+        axes = (len(lead), len(lead) + 1)
+        return jnp.moveaxis(grad, axes, (-1, -2)) if self.out_last else grad
+
     def per_example(self, dtype) -> jax.Array:
         """``G_i`` for every example, ``(B, *leaf shape)``: one contraction per kernel offset."""
-        g = self._g(dtype)
-        parts = [jnp.einsum("blct,blot->boc", v, g, precision=HIGHEST) for v in self._shifted(dtype)]
-        grad = jnp.stack(parts, axis=-1).reshape(*g.shape[:1], g.shape[2], self.x.shape[2], *self.kernel)
-        return jnp.moveaxis(grad, (1, 2), (-1, -2)) if self.out_last else grad
+        return self._by_offset(self._g(dtype), True, dtype)
 
     def expand(self, dtype) -> Use:
         """The patch factors (``Use``): the positions' input patches against their output gradients,
@@ -112,19 +117,16 @@ jax.tree_util.register_dataclass(
 )
 
 
-def conv_sq_norm(uses: list, dtype, generic) -> Optional[jax.Array]:
-    """The squared norm per example of a leaf whose uses include a ``ConvUse``, ``(B,)``.
+def conv_sq_norm(uses: list, dtype) -> jax.Array:
+    """The squared norm per example of a leaf whose uses are all convolution calls, ``(B,)``.
 
-    One convolution: the Gram form where it is smaller, else ``|G_i|^2``. Several calls of one
-    convolution: ``|sum of their G_i|^2``. A convolution's use beside other kinds of use: every
-    use as patch factors, through ``generic`` (``_factors.sq_norm``).
+    One call: the Gram form where it is smaller, else ``|G_i|^2``. Several calls of one
+    convolution: ``|sum of their G_i|^2``.
     """
-    if all(isinstance(u, ConvUse) for u in uses):
-        if len(uses) == 1 and uses[0].gram():
-            return generic([uses[0].expand(dtype)], dtype)
-        grad = sum(u.per_example(dtype) for u in uses)
-        return jnp.sum(jnp.square(grad).reshape(grad.shape[0], -1), axis=1)
-    return generic([u.expand(dtype) if isinstance(u, ConvUse) else u for u in uses], dtype)
+    if len(uses) == 1 and uses[0].gram():
+        return sq_norm([uses[0].expand(dtype)], dtype)
+    grad = sum(u.per_example(dtype) for u in uses)
+    return jnp.sum(jnp.square(grad).reshape(grad.shape[0], -1), axis=1)
 
 
 def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype) -> jax.Array:
@@ -137,7 +139,4 @@ def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype) -> 
     w = weights.astype(dtype)
     if not use.gram():
         return jnp.reshape(jnp.tensordot(w, use.per_example(dtype), 1), shape)
-    g = use._g(dtype) * w[:, None, None, None]
-    parts = [jnp.einsum("blct,blot->oc", v, g, precision=HIGHEST) for v in use._shifted(dtype)]
-    grad = jnp.stack(parts, axis=-1).reshape(g.shape[2], use.x.shape[2], *use.kernel)
-    return jnp.reshape(jnp.moveaxis(grad, (0, 1), (-1, -2)) if use.out_last else grad, shape)
+    return jnp.reshape(use._by_offset(use._g(dtype) * w[:, None, None, None], False, dtype), shape)

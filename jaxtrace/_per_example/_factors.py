@@ -126,23 +126,26 @@ def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> ja
                 k = u.a.ids.shape[1]
                 part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(jnp.repeat(w, k))
             else:
-                part = _contract(_rows(w, u.a), _rows(u.a))
+                part = _contract(_row_weights(w, u.a), _rows(u.a))
         elif isinstance(u.a, Index):
             b = (u.b * w[:, None, None]).reshape(-1, u.b.shape[-1])
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b)
         else:
-            wk = _rows(w, u.a)[:, None]
+            wk = _row_weights(w, u.a)[:, None]
             a, b = _rows(u.a), _rows(u.b)
             part = _contract(a * wk, b) if u.out == "a" else _contract(a, b * wk)
         total = total + part
     return jnp.reshape(total, shape)
 
 
-def _rows(f, like=None) -> jax.Array:
-    """``(B, K, d)`` as ``(B * K, d)``; with ``like``, the weights ``(B,)`` repeated over ``like``'s ``K``."""
-    if like is not None:
-        return f if like.shape[1] == 1 else jnp.repeat(f, like.shape[1])
+def _rows(f) -> jax.Array:
+    """``(B, K, d)`` as ``(B * K, d)``."""
     return f.reshape(-1, f.shape[-1])
+
+
+def _row_weights(w, f) -> jax.Array:
+    """The weights ``(B,)`` repeated over the ``K`` rows of each example of ``f`` ``(B, K, d)``."""
+    return w if f.shape[1] == 1 else jnp.repeat(w, f.shape[1])
 
 
 def _contract(a, b) -> jax.Array:

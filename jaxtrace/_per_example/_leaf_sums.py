@@ -19,9 +19,11 @@ __all__ = ["sq_norm", "weighted_sum"]
 
 def sq_norm(uses: list, dtype) -> jax.Array:
     """Squared norm of the sum over ``uses`` of the per-example gradient, per example: ``(B,)``."""
-    if any(isinstance(u, ConvUse) for u in uses):
-        return conv_sq_norm(uses, dtype, factors_sq_norm)
-    return factors_sq_norm(uses, dtype)
+    convs = [isinstance(u, ConvUse) for u in uses]
+    if convs and all(convs):
+        return conv_sq_norm(uses, dtype)
+    # a convolution beside other kinds of use (one weight in a Conv and a Linear): all as patch factors
+    return factors_sq_norm([u.expand(dtype) if c else u for u, c in zip(uses, convs)], dtype)
 
 
 def weighted_sum(uses: list, weights: jax.Array, shape: tuple, dtype) -> jax.Array:

@@ -98,7 +98,8 @@ class Call:
             )
         # layers called where the proof reads; not those called inside a custom derivative rule's
         # function, whose gradient JAX takes from the rule (their tags have none: the exact path)
-        self.in_custom = {p: e for p in paths for e in _custom_around(self.proof.occurrences.get(p, ()))}
+        around = {p: _custom_around(self.proof.occurrences.get(p, ())) for p in paths}
+        self.in_custom = {p: eqn for p, eqn in around.items() if eqn is not None}
         found = {p for p in paths if p in self.proof.occurrences and p not in self.in_custom}
         names = found | {p + INPUT_SUFFIX for p in found}
         self.shared_names = {}
@@ -398,13 +399,13 @@ class Call:
         return rows
 
 
-def _custom_around(occurrences) -> list:
-    """The outermost ``custom_jvp``/``custom_vjp`` equation around any of a layer's calls, or ``[]``."""
+def _custom_around(occurrences):
+    """The outermost ``custom_jvp``/``custom_vjp`` equation around any of a layer's calls, or ``None``."""
     for occ in occurrences:
         for eqn in occ.ctx:
             if hasattr(eqn, "primitive") and _higher_order.kind(eqn) == _higher_order.CUSTOM:  # (a branch is a jaxpr)
-                return [eqn]
-    return []
+                return eqn
+    return None
 
 
 def _is_none(x) -> bool:

@@ -130,10 +130,6 @@ def _uses(module, name: Optional[str]) -> bool:
     return name is not None and bool(getattr(module, "use_" + name, hasattr(module, name)))
 
 
-def _is_none(x) -> bool:
-    return x is None
-
-
 def _flat(x):
     """``(B, L, *feat)`` -> ``(B, L, prod(feat))``."""
     b, l = x.shape[:2]
@@ -204,7 +200,7 @@ def _eqx_unit(m, weight, bias):
 
     fill = {name: value for name, value in ((weight, jnp.ones(m.shape)), (bias, jnp.zeros(m.shape))) if _uses(m, name)}
     names = tuple(fill)
-    unit = eqx.tree_at(lambda n: tuple(getattr(n, a) for a in names), m, tuple(fill.values()), is_leaf=_is_none)
+    unit = eqx.tree_at(lambda n: tuple(getattr(n, a) for a in names), m, tuple(fill.values()), is_leaf=lambda v: v is None)
     return jax.vmap(unit)
 
 
