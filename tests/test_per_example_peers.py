@@ -17,6 +17,7 @@ on the global norm of the difference.
 
 import copy
 import functools
+import re
 import warnings
 
 import equinox as eqx
@@ -373,3 +374,75 @@ def test_backpack(backpack, c):
     per = {n: p.grad_batch for n, p in params.items()}
     assert_norms(c, {n: g.reshape(B, -1).square().sum(1) for n, g in per.items()}, "BackPACK BatchGrad")
     assert_clipped(c, textbook_clipped(per, c.max_norm), "BackPACK BatchGrad, clipped by hand")
+
+
+# --- a transformers model: GPT-2 from a config, ported as users port it ---------------------------
+
+
+@pytest.mark.long  # ~30 s on 2 cores; transformers is installed in the --long cell
+def test_hf_gpt2_port_against_torch_func_per_sample_gradients():
+    """GPT-2 from a ``GPT2Config`` (random init, float64, tied head) against the port of
+    ``examples/hf_gpt2_port.py``, which indexes ``wte.weight[ids]`` and multiplies by ``wte.weight.T``
+    as ports do: each example's gradient norms per parameter and the clipped sum, against PyTorch's
+    own per-sample recipe (``torch.func.vmap(grad(functional_call))``), to 1e-12, under jit. The
+    token table (indexed, and the tied head) and the position table (sliced) are not module calls,
+    so they take the exact path (``fallback="error"`` names those two); every other leaf (the
+    LayerNorms, the Conv1D-as-Linear layers) is on factors."""
+    transformers = pytest.importorskip("transformers")
+    import importlib.util
+    import pathlib
+    import sys
+
+    from torch.func import functional_call, grad, vmap
+
+    spec = importlib.util.spec_from_file_location(
+        "hf_gpt2_port", pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_gpt2_port.py")
+    port = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # equinox's dataclasses look it up
+    spec.loader.exec_module(port)
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(vocab_size=31, n_positions=16, n_embd=8, n_layer=2, n_head=2,
+                                  attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).double().eval()
+    model = jtt.load_weights(port.make_port(cfg, jax.random.key(0)), hf)
+    ids = torch.randint(0, cfg.vocab_size, (4, 6))
+    ids[1, 2:] = ids[1, 1]  # one id repeated within an example
+
+    def losses(m, ids):  # each sequence's mean next-token cross entropy
+        logp = jax.nn.log_softmax(jax.vmap(m)(ids)[:, :-1], axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0], axis=-1)
+
+    def torch_loss(params, one):
+        logits = functional_call(hf, params, (one[None],)).logits[0, :-1]
+        return F.cross_entropy(logits, one[1:])
+
+    per = vmap(grad(torch_loss), in_dims=(None, 0))(dict(hf.named_parameters()), ids)  # tied: wte once
+    sq_ref = {n: g.reshape(len(ids), -1).square().sum(1).detach().numpy() for n, g in per.items()}
+    with pytest.raises(jt.TagError) as refused:  # the embeddings only: the rest is on factors
+        jt.per_example_norms(losses, fallback="error")(model, jnp.asarray(ids.numpy()))
+    named = set(re.findall(r"'(transformer\.[\w.]+)' \(in module", str(refused.value)))
+    assert named == {"transformer.wte.weight", "transformer.wpe.weight"}, str(refused.value)
+
+    max_norm = float(np.median(np.sqrt(sum(sq_ref.values()))))
+
+    @eqx.filter_jit
+    def ours(m, ids):
+        return jt.per_example_norms(losses)(m, ids), jt.clipped_grad(losses, max_norm)(m, ids)
+
+    (loss_values, sq), (_, clipped) = ours(model, jnp.asarray(ids.numpy()))
+    np.testing.assert_allclose(loss_values, vmap(torch_loss, in_dims=(None, 0))(dict(hf.named_parameters()), ids).detach().numpy(),
+                               rtol=RTOL, atol=ATOL)
+    names = {jax.tree_util.keystr(path, simple=True, separator="."): leaf
+             for path, leaf in jax.tree_util.tree_leaves_with_path(sq)}
+    assert set(names) == set(sq_ref), set(names) ^ set(sq_ref)
+    for n, ref in sq_ref.items():
+        np.testing.assert_allclose(names[n], ref, rtol=RTOL, atol=ATOL, err_msg=n)
+    # the clipped sum by hand from torch's per-sample gradients, laid out as the port by load_weights
+    w = np.minimum(1.0, max_norm / np.sqrt(sum(sq_ref.values())))
+    ref_model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for n, p in ref_model.named_parameters():
+            p.copy_(torch.tensordot(torch.as_tensor(w), per[n], 1))
+    expected = jtt.load_weights(model, ref_model)
+    for a, e in zip(jax.tree_util.tree_leaves(eqx.filter(clipped, eqx.is_array)), jax.tree_util.tree_leaves(eqx.filter(expected, eqx.is_inexact_array))):
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
