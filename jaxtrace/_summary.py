@@ -367,11 +367,15 @@ def _reduce_together(operands: tuple, is_max: tuple, axes: tuple) -> tuple:
         return tuple(jax.lax.max(x, y) if m else jax.lax.add(x, y) for x, y, m in zip(a, b, is_max))
 
     n = math.prod(operands[0].shape[i] for i in axes)
-    block = next((b for b in range(_BLOCK, 7, -1) if n % b == 0), None) if isinstance(n, int) and n > _ONE_STAGE_UP_TO else None
-    if block is None:  # small, or a symbolic size (jax.export): one stage
+    if not isinstance(n, int) or n <= _ONE_STAGE_UP_TO:  # small, or a symbolic size (jax.export): one stage
         return tuple(jax.lax.reduce(operands, inits, combine, axes))
     lead = operands[0].shape[: operands[0].ndim - len(axes)]
-    blocks = tuple(op.reshape(*lead, n // block, block) for op in operands)  # the trailing axes are contiguous
+    flat = tuple(op.reshape(*lead, n) for op in operands)  # the trailing axes are contiguous
+    block = next((b for b in range(_BLOCK, 7, -1) if n % b == 0), None)
+    if block is None:  # no divisor: pad with what changes no result (0 for a sum, -inf for a max)
+        block, more = _BLOCK, -n % _BLOCK
+        flat = tuple(jnp.pad(op, [(0, 0)] * len(lead) + [(0, more)], constant_values=i) for op, i in zip(flat, inits))
+    blocks = tuple(op.reshape(*lead, op.shape[-1] // block, block) for op in flat)
     partial = jax.lax.reduce(blocks, inits, combine, (len(lead) + 1,))
     sums = [p for p, m in zip(partial, is_max) if not m]
     summed = iter(jnp.sum(jnp.stack(sums), axis=-1) if sums else ())  # one reduction for all the sums
