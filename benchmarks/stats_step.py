@@ -13,8 +13,9 @@ interleaved round by round (each round times every variant once, in a random ord
 - the same two written by hand on the base step's cotangents (``sqrt(sum(g**2))`` etc., what
   one would write without jaxtrace),
 
-and prints the median per-round ratio to the base. Process CPU time is beside wall time:
-XLA:CPU runs a step on every core, so on a shared machine wall time moves with the load.
+and prints the median per-round ratio to the base, and the reduce ops in each compiled step (a
+count the machine's load does not change). Process CPU time is beside wall time: XLA:CPU runs a
+step on every core, so on a shared machine wall time moves with the load.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -100,15 +102,15 @@ def measure(model, rounds, min_time=0.2):
         t = time.perf_counter()
         jax.block_until_ready(step(params, x))
         repeats = max(1, int(min_time / max(time.perf_counter() - t, 1e-6)))
-        steps[name] = (step, repeats)
-    n = min(r for _, r in steps.values())
+        steps[name] = (step, repeats, len(re.findall(r"\sreduce\(", step.as_text())))
+    n = min(r for _, r, _ in steps.values())
     samples = {k: [] for k in steps}
     rng = random.Random(0)
     for _ in range(rounds):
         order = list(steps)
         rng.shuffle(order)
         for name in order:
-            step, _ = steps[name]
+            step = steps[name][0]
             t, c = time.perf_counter(), time.process_time()
             for _ in range(n):
                 out = step(params, x)
@@ -119,7 +121,7 @@ def measure(model, rounds, min_time=0.2):
     for name, s in samples.items():
         wall = statistics.median(a[0] / b[0] for a, b in zip(s, base))
         cpu = statistics.median(a[1] / b[1] for a, b in zip(s, base))
-        rows[name] = (1e3 * statistics.median(a[0] for a in s), wall, cpu)
+        rows[name] = (1e3 * statistics.median(a[0] for a in s), wall, cpu, steps[name][2])
     return rows
 
 
@@ -132,12 +134,12 @@ def main():
     print(f"JAX {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the start, "
           f"{args.rounds} interleaved rounds")
     print()
-    print("| model | variant | step (ms) | x base (wall) | x base (cpu) |")
-    print("|---|---|---|---|---|")
+    print("| model | variant | step (ms) | x base (wall) | x base (cpu) | reduce ops |")
+    print("|---|---|---|---|---|---|")
     for key in args.models.split(","):
         model = makers[key]()
-        for name, (ms, wall, cpu) in measure(model, args.rounds).items():
-            print(f"| {model.name} | {name} | {ms:.2f} | {wall:.3f} | {cpu:.3f} |", flush=True)
+        for name, (ms, wall, cpu, reduces) in measure(model, args.rounds).items():
+            print(f"| {model.name} | {name} | {ms:.2f} | {wall:.3f} | {cpu:.3f} | {reduces} |", flush=True)
     print(f"\nload {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -275,57 +275,117 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
     empty = _is_empty(count)
 
-    # One all-reduce round when sharded: every statistic is a sum (or the max) of an elementwise
-    # function of g, with no data-dependent scaling before the reduction, so the reductions are
-    # independent (XLA may fuse them into one loop; XLA:CPU runs them one by one) and XLA
-    # combines their all-reduces with the gradients'. Sums of squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19)
-    # where the norm does not; they are also summed at fixed power-of-two scales (exact), and
-    # the one in range is picked after the reduction.
-    def total(fn):
-        return functools.reduce(jnp.add, [jnp.sum(fn(m), axis=ax) for m, ax in zip(mags, axes_of)])
-
-    def total_sq(scale):  # sum of |g * scale|**2, from g (complex: from |g|)
-        sq = lambda v: jnp.square(v * scale) if scale != 1 else jnp.square(v)  # noqa: E731
-        parts = [jnp.sum(sq(r if r is not None else jnp.abs(f).astype(dtype)), axis=ax) for r, f, ax in zip(reals, floats, axes_of)]
-        return functools.reduce(jnp.add, parts)
-
     exponent = jnp.finfo(dtype).maxexp  # float32: 128, float64: 1024
     # Squares of |g| * down stay finite for every finite |g|, and are used only when the plain sum
     # overflowed (the entries they lose to underflow are ~2**-exponent of it); squares of |g| * up
     # are used only when the plain sum is below tiny, where they cannot overflow.
     down, up, tiny = 2.0 ** -(3 * exponent // 4), 2.0 ** (exponent // 2), 2.0 ** -(exponent // 2 - 4)
+    want_sq, want_abs = "norm" in stats or "rms" in stats, "mean_abs" in stats
+    want_max, want_bad = "max_abs" in stats, "nonfinite" in stats
+    # nan explicitly for max_abs rather than rely on how the backend's max reduction treats it: a
+    # sum computed anyway is nan exactly when an entry is (inf + nan is nan), else a count of them.
+    count_nan = want_max and not want_sq and not want_abs
+
+    # Every statistic is a sum (or the max) of an elementwise function of g with no data-dependent
+    # scaling before it, so all of a leaf's sums are one reduction (a variadic reduce: g is read
+    # once) and, when sharded, one all-reduce round that XLA combines with the gradients'. Sums of
+    # squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19) where the norm does not;
+    # they are also summed at fixed power-of-two scales (exact) in the same pass, and the one in
+    # range is picked after the reduction.
+    def terms(r, f, m, empty_leaf):
+        """The (kind, elementwise array) pairs one leaf contributes, keyed by what they sum."""
+        sq = r if r is not None else jnp.abs(f).astype(dtype)  # squares from g itself (complex: |g|)
+        out = {}
+        if want_sq:
+            out["sq"], out["sq_hi"], out["sq_lo"] = jnp.square(sq), jnp.square(sq * down), jnp.square(sq * up)
+        if want_abs:
+            out["abs"], out["abs_hi"] = m, m * down
+        if want_max and not empty_leaf:  # empty leaves are left out: a max over no entries has a 0/0 derivative
+            out["max"] = m
+        if count_nan:
+            out["nan"] = jnp.isnan(m).astype(dtype)
+        if want_bad:
+            out["bad"] = (~jnp.isfinite(m)).astype(dtype)
+        return out
+
+    per_leaf = []
+    for r, f, m, ax in zip(reals, floats, mags or [None] * len(floats), axes_of):
+        parts = terms(r, f, m, _is_empty(math.prod(np.shape(f)[keep:])))
+        keys = tuple(parts)
+        per_leaf.append(dict(zip(keys, _reduce_together(tuple(parts.values()), tuple(k == "max" for k in keys), ax))))
+    total = {k: functools.reduce(jnp.add, [p[k] for p in per_leaf]) for k in per_leaf[0] if k != "max"}
     out = {}
-    if "norm" in stats or "rms" in stats:
-        mid, hi, lo = total_sq(1), total_sq(down), total_sq(up)
+    if want_sq:
+        mid, hi, lo = total["sq"], total["sq_hi"], total["sq_lo"]
         use_hi, use_lo = jnp.isinf(mid), mid < tiny
-        sq, mid_sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid)), mid
+        sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
         scale = jnp.where(use_hi, 1 / down, jnp.where(use_lo, 1 / up, 1.0)).astype(dtype)
         if "norm" in stats:
             out["norm"] = (scale * _sqrt(sq)).astype(dtype)
         if "rms" in stats:
             out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
-    if "mean_abs" in stats:
-        mid_abs, hi = total(lambda m: m), total(lambda m: m * down)
+    if want_abs:
+        mid_abs, hi = total["abs"], total["abs_hi"]
         mean = jnp.where(jnp.isinf(mid_abs), (hi / count) / down, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
         out["mean_abs"] = mean.astype(dtype)
-    if "max_abs" in stats:
-        # Empty leaves are left out of the max: the derivative of a max over no entries is 0/0.
-        filled = [(m, ax) for m, ax in zip(mags, axes_of) if not _is_empty(math.prod(m.shape[keep:]))]
-        top = functools.reduce(jnp.maximum, [jnp.max(m, axis=ax) for m, ax in filled], jnp.zeros(kept_shape, dtype))
-        # nan explicitly rather than rely on how the backend's max reduction treats it: a sum
-        # computed anyway is nan exactly when an entry is (inf + nan is nan), else a count of them,
-        # in the same round as the sums.
-        if "norm" in stats or "rms" in stats:
-            any_nan = jnp.isnan(mid_sq)
-        elif "mean_abs" in stats:
-            any_nan = jnp.isnan(mid_abs)
-        else:
-            any_nan = total(lambda m: jnp.isnan(m).astype(dtype)) > 0
+    if want_max:
+        top = functools.reduce(jnp.maximum, [p["max"] for p in per_leaf if "max" in p], jnp.zeros(kept_shape, dtype))
+        any_nan = jnp.isnan(total["sq"]) if want_sq else jnp.isnan(total["abs"]) if want_abs else total["nan"] > 0
         out["max_abs"] = jnp.where(any_nan, jnp.nan, top).astype(dtype)
-    if "nonfinite" in stats:
-        bad = total(lambda m: (~jnp.isfinite(m)).astype(dtype))
-        out["nonfinite"] = (bad / count if not empty else jnp.zeros(kept_shape)).astype(dtype)
+    if want_bad:
+        out["nonfinite"] = (total["bad"] / count if not empty else jnp.zeros(kept_shape)).astype(dtype)
     return {s: out[s] for s in stats}
+
+
+def _separately(operands: tuple, is_max: tuple, axes: tuple) -> tuple:
+    """One ``jnp.sum`` (or ``jnp.max``) per operand: what :func:`_reduce_together` computes."""
+    return tuple((jnp.max if m else jnp.sum)(op, axis=axes) for op, m in zip(operands, is_max))
+
+
+_BLOCK = 64
+"""Entries summed one after another in the one-pass reduction before the partial sums are summed."""
+
+_ONE_STAGE_UP_TO = 1024
+"""Leaves up to this many entries per kept index are reduced in one stage."""
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _reduce_together(operands: tuple, is_max: tuple, axes: tuple) -> tuple:
+    """The sums (the maxima where ``is_max``) of same-shape ``operands`` over their trailing
+    ``axes``, reading them in one pass: one variadic reduction, which XLA fuses with the
+    elementwise functions of ``g`` that produce the operands.
+
+    XLA:CPU runs a variadic reduction as one scalar loop, adding entries one after another,
+    where its one-array sum keeps vector accumulators; a float32 sum over 10**5 entries would
+    lose about 1e-5 of its value. So a large leaf is reduced in blocks of ``_BLOCK`` entries,
+    and the partial sums (a 64th of the entries) summed by ``jnp.sum`` in one more, small
+    reduction: as accurate as ``jnp.sum``. The derivatives are those of :func:`_separately`
+    (a ``jnp.max`` splits ties evenly), not those of JAX's generic reduction rule."""
+    inits = tuple(jnp.array(-jnp.inf if m else 0, op.dtype) for op, m in zip(operands, is_max))
+
+    def combine(a, b):
+        return tuple(jax.lax.max(x, y) if m else jax.lax.add(x, y) for x, y, m in zip(a, b, is_max))
+
+    n = math.prod(operands[0].shape[i] for i in axes)
+    if not isinstance(n, int) or n <= _ONE_STAGE_UP_TO:  # small, or a symbolic size (jax.export): one stage
+        return tuple(jax.lax.reduce(operands, inits, combine, axes))
+    lead = operands[0].shape[: operands[0].ndim - len(axes)]
+    flat = tuple(op.reshape(*lead, n) for op in operands)  # the trailing axes are contiguous
+    block = next((b for b in range(_BLOCK, 7, -1) if n % b == 0), None)
+    if block is None:  # no divisor: pad with what changes no result (0 for a sum, -inf for a max)
+        block, more = _BLOCK, -n % _BLOCK
+        flat = tuple(jnp.pad(op, [(0, 0)] * len(lead) + [(0, more)], constant_values=i) for op, i in zip(flat, inits))
+    blocks = tuple(op.reshape(*lead, op.shape[-1] // block, block) for op in flat)
+    partial = jax.lax.reduce(blocks, inits, combine, (len(lead) + 1,))
+    sums = [p for p, m in zip(partial, is_max) if not m]
+    summed = iter(jnp.sum(jnp.stack(sums), axis=-1) if sums else ())  # one reduction for all the sums
+    return tuple(jnp.max(p, axis=-1) if m else next(summed) for p, m in zip(partial, is_max))
+
+
+@_reduce_together.defjvp
+def _reduce_together_jvp(is_max, axes, primals, tangents):
+    (operands,), (dots,) = primals, tangents
+    return _reduce_together(operands, is_max, axes), jax.jvp(lambda ops: _separately(ops, is_max, axes), (operands,), (dots,))[1]
 
 
 def _sqrt(x):

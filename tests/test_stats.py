@@ -216,6 +216,41 @@ def test_summaries_differentiate_as_their_closed_forms(jit):
     assert all(np.isfinite(v) for k, v in at_zero.items() if k != "mean_abs")
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_reverse_mode_and_max_ties_through_the_one_pass_reduction(jit):
+    """jax.grad through the statistics (the one-pass reduction has its own derivative rule): the
+    norm's gradient is g / |g|, and max_abs's splits evenly between tied entries, as jnp.max's."""
+    g = {"a": jnp.array([[1.5, -3.0, 3.0], [3.0, 1.0, -2.0]]), "e": jnp.zeros((2, 0))}
+
+    def fun(g):
+        s = stats.summarize({"t": g}, stats=stats.STATS + ("rms",), loop_axes=1)["t"]
+        return jnp.sum(s["norm"] + s["max_abs"] + s["mean_abs"] + s["rms"])
+
+    grad = (jax.jit(jax.grad(fun)) if jit else jax.grad(fun))(g)
+    a = g["a"]
+    norm = jnp.linalg.norm(a, axis=1, keepdims=True)
+    ties = jnp.abs(a) == jnp.max(jnp.abs(a), axis=1, keepdims=True)
+    want = a / norm + jnp.sign(a) * ties / jnp.sum(ties, axis=1, keepdims=True) + jnp.sign(a) / 3 + a / (3 * norm / jnp.sqrt(3.0))
+    np.testing.assert_allclose(grad["a"], want, rtol=1e-12)
+    assert grad["e"].shape == (2, 0)
+
+
+def test_one_pass_per_leaf_and_float32_accuracy():
+    """Each leaf is read by one variadic reduction (XLA fuses the squares, scaled squares, |g| and
+    the non-finite indicator into it), and a large float32 leaf's sums stay as accurate as
+    jnp.sum's (a plain variadic reduction on XLA:CPU adds entries one after another)."""
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((4, 2**15)), jnp.float32)
+    for names, most in ((("norm",), 2), (stats.STATS + ("rms",), 3)):
+        step = jax.jit(lambda g: stats.summarize({"t": g}, stats=names)["t"])  # noqa: B023
+        text = step.lower(g).compile().as_text()
+        reads = [line for line in text.splitlines() if re.search(r"\sreduce\(", line)]
+        assert len(reads) <= most, (names, reads)  # the blocked pass, one sum of its partial sums, the max
+        for leaf in (g, g.reshape(-1)[: 2**17 - 1]):  # a prime count: no block size divides it, padded
+            got, want = step(leaf), numpy_stats(leaf, 0)
+            for name in names:
+                np.testing.assert_allclose(np.asarray(got[name], np.float64), want[name], rtol=1e-6, err_msg=name)
+
+
 def test_dtypes_float0_and_complex():
     half = stats.summarize({"h": jnp.ones(4, jnp.bfloat16)})["h"]
     assert half["norm"].dtype == jnp.float32 and float(half["norm"]) == 2.0
