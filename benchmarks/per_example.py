@@ -1,10 +1,11 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,dwcnn]
 
-For three equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+For four equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
-32x32x3 images, each with a 2x2 max pool, batch 64) it compiles, side by side:
+32x32x3 images, each with a 2x2 max pool, batch 64; a MobileNet-style CNN of the same widths whose
+blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1) it compiles, side by side:
 
 - ``vmap(grad)`` + norms: ``jax.vmap(eqx.filter_grad(one_example_loss))`` then each leaf's
   squared norm (what one writes today), and the same with the clipped sum (DP-SGD);
@@ -58,6 +59,33 @@ class Block(eqx.Module):
 
 
 CNN = per_example_peers.CNN  # issue 33's CNN: 3x3 convolutions, ReLU, 2x2 max pools, two Linears
+
+
+class DepthwiseCNN(eqx.Module):
+    """MobileNet-style: a 3x3 stem, then blocks of a depthwise 3x3 (``groups`` = channels) and a
+    pointwise 1x1, each block followed by a 2x2 max pool; a Linear head."""
+
+    stem: eqx.nn.Conv2d
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, image, channels, classes, key):
+        keys = jax.random.split(key, 2 * len(channels) + 2)
+        self.stem = eqx.nn.Conv2d(3, channels[0], 3, padding=1, key=keys[0])
+        c_in = (channels[0], *channels[:-1])
+        self.blocks = [
+            (eqx.nn.Conv2d(i, i, 3, padding=1, groups=i, key=k1), eqx.nn.Conv2d(i, o, 1, key=k2))
+            for i, o, k1, k2 in zip(c_in, channels, keys[1::2], keys[2::2])
+        ]
+        self.head = eqx.nn.Linear(channels[-1] * (image // 2 ** len(channels)) ** 2, classes, key=keys[-1])
+
+    def __call__(self, x):  # x: (3, H, W), one example
+        x = jax.nn.relu(self.stem(x))
+        for depthwise, pointwise in self.blocks:
+            x = jax.nn.relu(pointwise(jax.nn.relu(depthwise(x))))
+            c, h, w = x.shape
+            x = jnp.max(x.reshape(c, h // 2, 2, w // 2, 2), axis=(2, 4))  # 2x2 max pool
+        return self.head(x.reshape(-1))
 
 
 class Transformer(eqx.Module):
@@ -163,7 +191,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn", help="comma-separated: mlp,transformer,cnn")
+    parser.add_argument("--models", default="mlp,transformer,cnn,dwcnn", help="comma-separated: mlp,transformer,cnn,dwcnn")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -182,13 +210,14 @@ def main():
     cnn = CNN(image, channels, 128, 10, key)
     xc = jax.random.normal(key, (cb, 3, image, image))
     yc = jax.random.randint(key, (cb,), 0, 10)
+    dw = DepthwiseCNN(image, channels, 10, key)
     print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}; "
-          f"CNN: {image}x{image}x3, conv {channels}, batch {cb}\n")
+          f"CNN: {image}x{image}x3, conv {channels}, batch {cb}; depthwise CNN: the same, depthwise + pointwise blocks\n")
     print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) | x filter_grad |")
     print("|---|---|---|---|---|---|---|")
     rel = {}
     for name, m, b, f in (("MLP", mlp, (x, y), mlp_losses), ("transformer", lm, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
-                          ("CNN", cnn, (xc, yc), mlp_losses)):
+                          ("CNN", cnn, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses)):
         if name.lower() in which:
             rows, rel[name] = measure(name, m, b, f, rounds)
             print("\n".join(rows))

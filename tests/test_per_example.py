@@ -344,6 +344,57 @@ def test_conv_stacked_in_scan_against_jacrev():
     check_on_factors(fun, model, data(B, 2, 6, 6))
 
 
+# Grouped and depthwise convolutions (feature_group_count = G: each group's output channels read that
+# group's input channels alone; depthwise is G = C_in, here with a channel multiplier of 2), on both
+# routes of _conv.py, with fallback="error" so that the exact path cannot stand in for the factors.
+# (framework, dims, in, out, groups, layer kwargs, input side for each route); all but the first with --long.
+GROUPED_GEOMETRIES = [
+    pytest.param("eqx", 2, 8, 16, 2, dict(stride=2, padding=1), (4, 8), id="eqx-2d-groups"),
+    pytest.param("nnx", 2, 3, 6, 3, dict(strides=2, padding="SAME"), (2, 8), marks=SLOW, id="nnx-2d-depthwise"),
+    pytest.param("eqx", 2, 3, 6, 3, dict(padding="SAME", dilation=(1, 2)), (1, 6), marks=SLOW, id="eqx-2d-depthwise"),
+    pytest.param("eqx", 1, 16, 16, 2, dict(stride=2, padding=((2, 1),)), (9, 14), marks=SLOW, id="eqx-1d-groups"),
+    pytest.param("nnx", 1, 3, 6, 3, dict(padding="VALID", kernel_dilation=2, use_bias=False), (5, 12), marks=SLOW, id="nnx-1d-depthwise"),
+    pytest.param("nnx", 2, 8, 16, 2, dict(strides=(1, 2), padding=((1, 0), (2, 1)), input_dilation=(2, 1)), (2, 5), marks=SLOW, id="nnx-2d-groups"),
+]
+
+
+@pytest.mark.parametrize("route", ["gram", "slices"])
+@pytest.mark.parametrize("framework, dims, cin, cout, groups, kw, sides", GROUPED_GEOMETRIES)
+def test_grouped_conv_against_jacrev(framework, dims, cin, cout, groups, kw, sides, route):
+    if framework == "eqx":
+        model, call = eqx.nn.Conv(dims, cin, cout, 3, groups=groups, key=KEY, **kw), lambda m, x: jax.vmap(m)(x)
+        shape = (B, cin, *[sides[route == "slices"]] * dims)
+    else:
+        model, call = nnx.Conv(cin, cout, (3,) * dims, feature_group_count=groups, rngs=nnx.Rngs(0), **kw), lambda m, x: m(x)
+        shape = (B, *[sides[route == "slices"]] * dims, cin)
+    model, x = to_dtype(model), data(*shape)
+    out = call(model, x)
+    positions = int(np.prod(out.shape[2:] if framework == "eqx" else out.shape[1:-1]))
+    ck, o = cin // groups * 3**dims, cout // groups
+    assert (positions * (ck + o) < ck * o) == (route == "gram"), positions  # the case takes that route (_conv.py)
+    scale = jnp.linspace(0.5, 2.0, B)
+
+    def fun(m, x):
+        return scale * jnp.sum(jnp.tanh(call(m, x)).reshape(x.shape[0], -1) ** 2, axis=1)
+
+    check_on_factors(fun, model, x)
+
+
+def test_grouped_conv_patch_factors():
+    """A grouped call as patch factors (``ConvUse.expand``, for a weight shared with a use of another
+    kind): one row per position and group, so that the norm and the weighted sum are those of G_i."""
+    from jaxtrace._per_example._conv import ConvUse
+    from jaxtrace._per_example._factors import sq_norm, weighted_sum
+
+    for out_last in (False, True):
+        use = ConvUse(data(B, 1, 6, 5), data(B, 1, 9, 3, key=2), (3,), (1,), ((0, 0),), (1,), (1,), out_last, 3)
+        per = use.per_example(F64)  # (B, 9, 2, 3), or (B, 3, 2, 9)
+        assert per.shape == ((B, 3, 2, 9) if out_last else (B, 9, 2, 3))
+        w = jnp.linspace(0.5, 2.0, B)
+        close(sq_norm([use.expand(F64)], F64), jnp.sum(per.reshape(B, -1) ** 2, axis=1))
+        close(weighted_sum([use.expand(F64)], w, per.shape[1:], F64), jnp.tensordot(w, per, 1))
+
+
 # --- tied and shared weights -------------------------------------------------------------
 
 

@@ -7,7 +7,9 @@ gradient and forms ``G_i`` from those slices, one batched contraction per offset
 ``(B, T, C * prod(k))`` patches (``conv_general_dilated_patches`` builds them with a one-hot
 convolution, several times the cost of the layer on XLA:CPU). From ``G_i``: the squared norm,
 and the clipped sum ``sum_i w_i G_i`` (the same ``G_i``, shared by the two in one program).
-Where the Gram ("ghost") form takes fewer multiplications (few output positions ``T`` against
+A grouped convolution (``feature_group_count = G``; depthwise: ``G = C``) contracts each group's
+output channels with that group's input channels alone: the leaf is ``(O, C / G, *k)`` and the
+same contractions run with a group axis. Where the Gram ("ghost") form takes fewer multiplications (few output positions ``T`` against
 wide channels) the norm comes from the patches, built from the same slices.
 """
 
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factors import HIGHEST, Use, sq_norm
+from ._factors import HIGHEST, Use
 
 __all__ = ["ConvUse", "conv_pads", "conv_sq_norm", "conv_weighted_sum"]
 
@@ -36,8 +38,9 @@ def conv_pads(spatial: tuple, kernel: tuple, strides: tuple, padding, lhs_dilati
 @dataclasses.dataclass(frozen=True)
 class ConvUse:
     """One convolution call's factors: input ``x`` ``(B, L, C, *S)`` and output gradient ``g``
-    ``(B, L, O, *S_out)``, channels first; the leaf is ``(O, C, *k)``, or ``(*k, C, O)`` where
-    ``out_last`` (NNX's kernel)."""
+    ``(B, L, O, *S_out)``, channels first; the leaf is ``(O, C / groups, *k)``, or
+    ``(*k, C / groups, O)`` where ``out_last`` (NNX's kernel). Output channel ``o`` reads the input
+    channels of group ``o // (O / groups)`` (``lax.conv_general_dilated``'s ``feature_group_count``)."""
 
     x: jax.Array
     g: jax.Array
@@ -47,6 +50,7 @@ class ConvUse:
     lhs_dilation: tuple
     rhs_dilation: tuple
     out_last: bool
+    groups: int = 1
 
     @property
     def positions(self) -> int:
@@ -56,14 +60,14 @@ class ConvUse:
     def gram(self) -> bool:
         """Whether the norm takes the Gram form: fewer multiplications than ``G_i``'s.
 
-        Per example the Gram form costs ``T * T * (C * K + O)`` (the patches' and the output
-        gradients' ``T x T`` products), ``G_i`` costs ``T * C * K * O``, so the Gram form only where
-        ``T * (C * K + O) < C * K * O``. That is stricter than Opacus's ``T * T < C * K * O``
+        Per example and group the Gram form costs ``T * T * (C * K + O)`` (the patches' and the
+        output gradients' ``T x T`` products), ``G_i`` costs ``T * C * K * O``, so the Gram form only
+        where ``T * (C * K + O) < C * K * O``, with ``C`` and ``O`` a group's channels. That is stricter than Opacus's ``T * T < C * K * O``
         (which compares the two's memory, and which it implies): on XLA:CPU a ``(64, 64)`` Gram
         against a ``64 x 576`` patch width was the slower of the two.
         """
-        ck = self.x.shape[2] * int(np.prod(self.kernel, dtype=int))
-        o = self.g.shape[2]
+        ck = self.x.shape[2] // self.groups * int(np.prod(self.kernel, dtype=int))
+        o = self.g.shape[2] // self.groups
         return self.positions * (ck + o) < ck * o
 
     def _shifted(self, dtype) -> list:
@@ -88,32 +92,59 @@ class ConvUse:
     def _by_offset(self, g, per_example: bool, dtype) -> jax.Array:
         """The shifted inputs against the output gradient ``g`` ``(B, L, O, T)``, one contraction per
         kernel offset, in the leaf's layout: ``(B, *leaf shape)`` (``per_example``) or the leaf's shape
-        (summed over the examples)."""
-        spec, lead = ("blct,blot->boc", g.shape[:1]) if per_example else ("blct,blot->oc", ())
-        parts = [jnp.einsum(spec, v, g, precision=HIGHEST) for v in self._shifted(dtype)]
-        grad = jnp.stack(parts, axis=-1).reshape(*lead, g.shape[2], self.x.shape[2], *self.kernel)
+        (summed over the examples). Groups: each group's output channels against its input channels."""
+        spec, lead = ("blgct,blgot->bgoc", g.shape[:1]) if per_example else ("blgct,blgot->goc", ())
+        gg = self._grouped(g)
+        parts = [jnp.einsum(spec, self._grouped(v), gg, precision=HIGHEST) for v in self._shifted(dtype)]
+        grad = jnp.stack(parts, axis=-1).reshape(*lead, g.shape[2], self.x.shape[2] // self.groups, *self.kernel)
         axes = (len(lead), len(lead) + 1)
         return jnp.moveaxis(grad, axes, (-1, -2)) if self.out_last else grad
+
+    def _grouped(self, v) -> jax.Array:
+        """``(B, L, C, T)`` -> ``(B, L, G, C / G, T)``: the channels split by group."""
+        b, l, c, t = v.shape
+        return v.reshape(b, l, self.groups, c // self.groups, t)
 
     def per_example(self, dtype) -> jax.Array:
         """``G_i`` for every example, ``(B, *leaf shape)``: one contraction per kernel offset."""
         return self._by_offset(self._g(dtype), True, dtype)
 
+    def _patches(self, dtype) -> tuple:
+        """Each group's input patches and output gradients at every position: ``(B, G, L * T, C / G * K)``
+        (the patch features in the leaf's order, ``(C / G, *k)``, or ``(*k, C / G)`` where ``out_last``)
+        and ``(B, G, L * T, O / G)``."""
+        b, l, o = self.g.shape[:3]
+        p = jnp.stack([self._grouped(v) for v in self._shifted(dtype)], axis=4)  # (B, L, G, C/G, K, T)
+        p = jnp.moveaxis(p, 5, 2)  # (B, L, T, G, C/G, K)
+        if self.out_last:
+            p = jnp.swapaxes(p, 4, 5)
+        p = jnp.moveaxis(p.reshape(b, l * p.shape[2], self.groups, -1), 2, 1)
+        gv = jnp.moveaxis(self._grouped(self._g(dtype)), 4, 2)  # (B, L, T, G, O/G)
+        gv = jnp.moveaxis(gv.reshape(b, -1, self.groups, o // self.groups), 2, 1)
+        return p, gv
+
+    def gram_sq_norm(self, dtype) -> jax.Array:
+        """The squared norm per example in the Gram form: per group, the patches' ``T x T`` inner
+        products against the output gradients', summed; ``(B,)``."""
+        p, gv = self._patches(dtype)
+        pp = jnp.einsum("bgtf,bgsf->bgts", p, p, precision=HIGHEST)
+        gg = jnp.einsum("bgto,bgso->bgts", gv, gv, precision=HIGHEST)
+        return jnp.sum(pp * gg, axis=(1, 2, 3))
+
     def expand(self, dtype) -> Use:
         """The patch factors (``Use``): the positions' input patches against their output gradients,
-        with the patch features in the leaf's order (``(C, *k)``, or ``(*k, C)`` where ``out_last``)."""
-        b, l, o = self.g.shape[:3]
-        p = jnp.stack(self._shifted(dtype), axis=3)  # (B, L, C, K, T)
-        p = jnp.moveaxis(p, 4, 2)  # (B, L, T, C, K)
-        if self.out_last:
-            p = jnp.swapaxes(p, 3, 4)
-        p = p.reshape(b, -1, p.shape[3] * p.shape[4])
-        gv = jnp.moveaxis(self._g(dtype), 2, 3).reshape(b, -1, o)
+        for a weight shared with a use of another kind. Groups: one row per position and group, the
+        output gradient zero outside the group's channels (so that groups never meet in the norm)."""
+        p, gv = self._patches(dtype)
+        b, groups, k = gv.shape[:3]
+        if groups > 1:  # (B, G, K, O/G) -> (B, G, K, O), the group's block of O and zeros elsewhere
+            gv = jnp.einsum("bgko,gh->bgkho", gv, jnp.eye(groups, dtype=gv.dtype)).reshape(b, groups, k, -1)
+        p, gv = p.reshape(b, groups * k, -1), gv.reshape(b, groups * k, -1)
         return Use(p, gv) if self.out_last else Use(gv, p)
 
 
 jax.tree_util.register_dataclass(
-    ConvUse, data_fields=["x", "g"], meta_fields=["kernel", "strides", "pads", "lhs_dilation", "rhs_dilation", "out_last"]
+    ConvUse, data_fields=["x", "g"], meta_fields=["kernel", "strides", "pads", "lhs_dilation", "rhs_dilation", "out_last", "groups"]
 )
 
 
@@ -124,7 +155,7 @@ def conv_sq_norm(uses: list, dtype) -> jax.Array:
     convolution: ``|sum of their G_i|^2``.
     """
     if len(uses) == 1 and uses[0].gram():
-        return sq_norm([uses[0].expand(dtype)], dtype)
+        return uses[0].gram_sq_norm(dtype)
     grad = sum(u.per_example(dtype) for u in uses)
     return jnp.sum(jnp.square(grad).reshape(grad.shape[0], -1), axis=1)
 

@@ -242,21 +242,22 @@ class _Window:
     padding: Any
     lhs_dilation: Any
     rhs_dilation: Any
+    groups: int
 
 
 def _eqx_window(m) -> Optional[_Window]:
-    if m.groups != 1 or m.padding_mode != "ZEROS":
+    if m.padding_mode != "ZEROS":
         return None
-    return _Window(m.kernel_size, m.stride, m.padding, None, m.dilation)
+    return _Window(m.kernel_size, m.stride, m.padding, None, m.dilation, m.groups)
 
 
 def _nnx_window(m) -> Optional[_Window]:
     padding = _nnx_padding(m)
-    if m.feature_group_count != 1 or m.mask is not None or padding is None:
+    if m.mask is not None or padding is None:
         return None
     d = len(m.kernel_size)
     dilations = _per_axis(m.input_dilation, d), _per_axis(m.kernel_dilation, d)
-    return _Window(m.kernel_size, _per_axis(m.strides, d), padding, *dilations)
+    return _Window(m.kernel_size, _per_axis(m.strides, d), padding, *dilations, m.feature_group_count)
 
 
 def _nnx_padding(m):
@@ -295,14 +296,15 @@ def conv(m, x, g, *, weight, bias, window, out_last):
     """Conv: each output position's input patch against its output gradient, as a ``ConvUse``
     (``_conv.py``: the per-example gradient from shifted slices of the input, no patch tensor).
     ``out_last``: channels last, the kernel ``(*k, in, out)`` (NNX); else channels first, the
-    weight ``(out, in, *k)``."""
+    weight ``(out, in, *k)``. Grouped (``groups``, NNX's ``feature_group_count``; depthwise where it is
+    the input channels): ``in`` is a group's input channels, each group's outputs against its inputs."""
     w = window(m)
     d = len(w.kernel)
     if out_last:  # (B, L, *S, C) -> (B, L, C, *S)
         x, g = jnp.moveaxis(x, -1, 2), jnp.moveaxis(g, -1, 2)
     strides, lhs, rhs = (_per_axis(v, d) for v in (w.strides, w.lhs_dilation, w.rhs_dilation))
     pads = conv_pads(x.shape[3:], tuple(w.kernel), strides, w.padding, lhs, rhs)
-    use = ConvUse(x, g, tuple(w.kernel), strides, pads, lhs, rhs, out_last)
+    use = ConvUse(x, g, tuple(w.kernel), strides, pads, lhs, rhs, out_last, int(w.groups))
     b, o = g.shape[0], g.shape[2]
     gv = jnp.moveaxis(g.reshape(*g.shape[:3], -1), 2, 3).reshape(b, -1, o)
     return _with_bias(m, bias, gv, {weight: use})
