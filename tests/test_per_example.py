@@ -6,6 +6,7 @@ called twice); under jit, under vmap, bfloat16; fallback="error"; a traced max_n
 jax.grad around clipped_grad.
 """
 
+import functools
 import os
 
 import equinox as eqx
@@ -98,9 +99,10 @@ def check(fun, model, *batch, fallback="vmap"):
 
 
 
-def check_on_factors(fun, model, *args):
+def check_on_factors(fun, model, *args, under_jit=None):
     """Norms and the clipped sum (max_norm the median norm) with ``fallback="error"``, eager and under
-    jit, against the definition: row ``i`` of ``jax.jacrev`` of the losses vector."""
+    jit (``under_jit=True``: only under jit; ``False``: only eagerly), against the definition: row
+    ``i`` of ``jax.jacrev`` of the losses vector."""
     from per_example_oracle import oracle_per_example
 
     ref = oracle_per_example(fun, model, *args)
@@ -109,7 +111,7 @@ def check_on_factors(fun, model, *args):
     def ours(m, *args):
         return jt.per_example_norms(fun, fallback="error")(m, *args)[1], jt.clipped_grad(fun, c, fallback="error")(m, *args)[1]
 
-    for f in (ours, jit(ours)):
+    for f in {None: (ours, jit(ours)), True: (jit(ours),), False: (ours,)}[under_jit]:
         sq, clipped = f(model, *args)
         close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
         close(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c)))
@@ -295,7 +297,9 @@ def _conv_model(framework, dims, kw):
 
 @pytest.mark.parametrize("route", ["gram", "slices"])
 @pytest.mark.parametrize("framework, dims, kw, sides", CONV_GEOMETRIES)
-def test_conv_geometry_against_jacrev(framework, dims, kw, sides, route):
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.long_eager  # the eager pass, op by op, with --long
+def test_conv_geometry_against_jacrev(framework, dims, kw, sides, route, jit):
     model, channel = _conv_model(framework, dims, kw)
     side = sides[route == "slices"]
     shape = (B, 4, *[side] * dims) if channel == 1 else (B, *[side] * dims, 4)
@@ -310,7 +314,7 @@ def test_conv_geometry_against_jacrev(framework, dims, kw, sides, route):
     def fun(m, x):
         return scale * jnp.sum(jnp.tanh(call(m, x)).reshape(x.shape[0], -1) ** 2, axis=1)
 
-    check_on_factors(fun, model, x)
+    check_on_factors(fun, model, x, under_jit=jit)
 
 
 @pytest.mark.slow  # ~10-30 s: with --long
@@ -360,7 +364,9 @@ GROUPED_GEOMETRIES = [
 
 @pytest.mark.parametrize("route", ["gram", "slices"])
 @pytest.mark.parametrize("framework, dims, cin, cout, groups, kw, sides", GROUPED_GEOMETRIES)
-def test_grouped_conv_against_jacrev(framework, dims, cin, cout, groups, kw, sides, route):
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.long_eager  # the eager pass, op by op, with --long
+def test_grouped_conv_against_jacrev(framework, dims, cin, cout, groups, kw, sides, route, jit):
     if framework == "eqx":
         model, call = eqx.nn.Conv(dims, cin, cout, 3, groups=groups, key=KEY, **kw), lambda m, x: jax.vmap(m)(x)
         shape = (B, cin, *[sides[route == "slices"]] * dims)
@@ -377,7 +383,7 @@ def test_grouped_conv_against_jacrev(framework, dims, cin, cout, groups, kw, sid
     def fun(m, x):
         return scale * jnp.sum(jnp.tanh(call(m, x)).reshape(x.shape[0], -1) ** 2, axis=1)
 
-    check_on_factors(fun, model, x)
+    check_on_factors(fun, model, x, under_jit=jit)
 
 
 def test_grouped_conv_patch_factors():
@@ -386,13 +392,18 @@ def test_grouped_conv_patch_factors():
     from jaxtrace._per_example._conv import ConvUse
     from jaxtrace._per_example._factors import sq_norm, weighted_sum
 
-    for out_last in (False, True):
+    @functools.partial(jax.jit, static_argnums=0)  # one program per layout (eagerly: seconds of op-by-op compiles)
+    def both_ways(out_last):
         use = ConvUse(data(B, 1, 6, 5), data(B, 1, 9, 3, key=2), (3,), (1,), ((0, 0),), (1,), (1,), out_last, 3)
         per = use.per_example(F64)  # (B, 9, 2, 3), or (B, 3, 2, 9)
-        assert per.shape == ((B, 3, 2, 9) if out_last else (B, 9, 2, 3))
         w = jnp.linspace(0.5, 2.0, B)
-        close(sq_norm([use.expand(F64)], F64), jnp.sum(per.reshape(B, -1) ** 2, axis=1))
-        close(weighted_sum([use.expand(F64)], w, per.shape[1:], F64), jnp.tensordot(w, per, 1))
+        ours = sq_norm([use.expand(F64)], F64), weighted_sum([use.expand(F64)], w, per.shape[1:], F64)
+        return per, ours, (jnp.sum(per.reshape(B, -1) ** 2, axis=1), jnp.tensordot(w, per, 1))
+
+    for out_last in (False, True):
+        per, ours, direct = both_ways(out_last)
+        assert per.shape == ((B, 3, 2, 9) if out_last else (B, 9, 2, 3))
+        close(ours, direct)
 
 
 # --- tied and shared weights -------------------------------------------------------------
