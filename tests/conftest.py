@@ -9,17 +9,9 @@ marked ``long_eager`` (the heaviest models, whose jit variant always runs), and 
 
 import os
 
-# XLA:CPU's LLVM backend at -O0: the tests compile hundreds of tiny programs, and compiling takes
-# ~25% less CPU this way. It changes no HLO pass (fusion, layout, collectives, buffers: what
-# tests/test_cost.py reads) and no arithmetic (no fast-math); only the machine code's speed,
-# which the benchmarks measure at the default level. Set before JAX starts its backend; kept
-# when XLA_FLAGS already names a level.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import numpy as np
+import pytest
 
 jax.config.update("jax_enable_x64", True)
 
