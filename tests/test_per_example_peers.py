@@ -444,5 +444,7 @@ def test_hf_gpt2_port_against_torch_func_per_sample_gradients():
         for n, p in ref_model.named_parameters():
             p.copy_(torch.tensordot(torch.as_tensor(w), per[n], 1))
     expected = jtt.load_weights(model, ref_model)
-    for a, e in zip(jax.tree_util.tree_leaves(eqx.filter(clipped, eqx.is_array)), jax.tree_util.tree_leaves(eqx.filter(expected, eqx.is_inexact_array))):
+    ours_leaves, want_leaves = (jax.tree_util.tree_leaves(eqx.filter(t, eqx.is_inexact_array)) for t in (clipped, expected))
+    assert len(ours_leaves) == len(want_leaves) == len(names)
+    for a, e in zip(ours_leaves, want_leaves):
         np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL)
