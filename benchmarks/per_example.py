@@ -1,11 +1,14 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,dwcnn]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,dwcnn,port]
 
-For four equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+For five equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
 32x32x3 images, each with a 2x2 max pool, batch 64; a MobileNet-style CNN of the same widths whose
-blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1) it compiles, side by side:
+blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-2 port of
+``examples/hf_gpt2_port.py`` at the transformer's sizes, which reads its token table as
+``wte.weight[ids]``, its position table as ``wpe.weight[:T]`` and ties its head as
+``h @ wte.weight.T``) it compiles, side by side:
 
 - ``vmap(grad)`` + norms: ``jax.vmap(eqx.filter_grad(one_example_loss))`` then each leaf's
   squared norm (what one writes today), and the same with the clipped sum (DP-SGD);
@@ -110,6 +113,24 @@ class Transformer(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.ln)(h))
 
 
+def gpt2_port(vocab, d, heads, layers, positions, key):
+    """The port of ``examples/hf_gpt2_port.py`` (its code, float32), from a config of these sizes."""
+    import importlib.util
+    import pathlib
+    import sys
+    import types
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "hf_gpt2_port.py"
+    spec = importlib.util.spec_from_file_location("hf_gpt2_port", path)
+    port = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # equinox's dataclasses look it up
+    spec.loader.exec_module(port)
+    jax.config.update("jax_enable_x64", False)  # the example turns float64 on for its own checks
+    cfg = types.SimpleNamespace(n_embd=d, n_head=heads, n_layer=layers, vocab_size=vocab, n_positions=positions,
+                                layer_norm_epsilon=1e-5)
+    model = port.make_port(cfg, key)
+    return jax.tree.map(lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a, model)
+
+
 def mlp_losses(model, x, y):
     logits = jax.vmap(model)(x)
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)[:, 0]
@@ -191,7 +212,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn,dwcnn", help="comma-separated: mlp,transformer,cnn,dwcnn")
+    parser.add_argument("--models", default="mlp,transformer,cnn,dwcnn,port", help="comma-separated: mlp,transformer,cnn,dwcnn,port")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -211,13 +232,15 @@ def main():
     xc = jax.random.normal(key, (cb, 3, image, image))
     yc = jax.random.randint(key, (cb,), 0, 10)
     dw = DepthwiseCNN(image, channels, 10, key)
+    port = gpt2_port(512, d, 4, 2, t, key) if "port" in which else None
     print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}; "
           f"CNN: {image}x{image}x3, conv {channels}, batch {cb}; depthwise CNN: the same, depthwise + pointwise blocks\n")
     print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) | x filter_grad |")
     print("|---|---|---|---|---|---|---|")
     rel = {}
     for name, m, b, f in (("MLP", mlp, (x, y), mlp_losses), ("transformer", lm, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
-                          ("CNN", cnn, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses)):
+                          ("CNN", cnn, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses),
+                          ("port", port, (ids, jnp.roll(ids, 1, axis=1)), lm_losses)):
         if name.lower() in which:
             rows, rel[name] = measure(name, m, b, f, rounds)
             print("\n".join(rows))

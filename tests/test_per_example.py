@@ -455,22 +455,29 @@ class EqxTiedHead(eqx.Module):
 
     embed: eqx.nn.Embedding
     mix: eqx.nn.Linear
+    through: object = eqx.field(static=True)  # what the head applies to the matrix first (None: nothing)
 
-    def __init__(self, key):
+    def __init__(self, key, through=None):
         k1, k2 = jax.random.split(key)
         self.embed, self.mix = eqx.nn.Embedding(7, 4, key=k1), eqx.nn.Linear(4, 4, key=k2)
+        self.through = through
 
     def __call__(self, ids):
         h = jnp.tanh(jax.vmap(self.mix)(jax.vmap(self.embed)(ids)))
-        return h @ self.embed.weight.T
+        w = self.embed.weight if self.through is None else self.through(self.embed.weight)
+        return h @ w.T
 
 
 class NnxTiedHead(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, through=None):
         self.embed, self.mix = nnx.Embed(7, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)
+        self.through = through
 
     def __call__(self, ids):
-        return self.embed.attend(jnp.tanh(self.mix(self.embed(ids))))
+        h = jnp.tanh(self.mix(self.embed(ids)))
+        if self.through is None:
+            return self.embed.attend(h)
+        return h @ self.through(self.embed.embedding[...]).T
 
 
 def nnx_lm_plain(model, ids, targets):
@@ -478,13 +485,27 @@ def nnx_lm_plain(model, ids, targets):
 
 
 @pytest.mark.parametrize("framework", ["equinox", "nnx"])
-def test_leaf_also_used_outside_its_layers(framework):
-    """A weight read outside its covered layer (a tied head) has more gradient than the layer's
-    factors: it goes to the fallback (exact), or fallback="error" names it; never a norm too small."""
+def test_tied_head_reading_the_matrix_is_on_factors(framework):
+    """GPT-2's tied head, the embedding matrix read by a matrix product (``h @ embed.weight.T``,
+    NNX's ``attend``) beside its Embedding call: both uses on factors, with their cross terms."""
     if framework == "equinox":
-        model, fun, name = to_dtype(EqxTiedHead(KEY)), eqx_lm, r"'embed\.weight' \(in module 'embed', Embedding\)"
+        model, fun = to_dtype(EqxTiedHead(KEY)), eqx_lm
     else:
-        model, fun, name = to_dtype(NnxTiedHead(nnx.Rngs(0))), nnx_lm_plain, r"'embed\.embedding' \(in module 'embed', Embed\)"
+        model, fun = to_dtype(NnxTiedHead(nnx.Rngs(0))), nnx_lm_plain
+    ids = jax.random.randint(jax.random.key(3), (B, 3), 0, 7)
+    check(fun, model, ids, jnp.roll(ids, 1, axis=1))
+    jt.per_example_norms(fun, fallback="error")(model, ids, ids)
+
+
+@pytest.mark.parametrize("framework", ["equinox", "nnx"])
+def test_leaf_also_used_outside_its_layers(framework):
+    """A weight used outside its covered layer other than by a read the rules cover (here the head
+    reads ``tanh(embed.weight)``) has more gradient than the layer's factors: it goes to the
+    fallback (exact), or fallback="error" names it; never a norm too small."""
+    if framework == "equinox":
+        model, fun, name = to_dtype(EqxTiedHead(KEY, jnp.tanh)), eqx_lm, r"'embed\.weight' \(in module 'embed', Embedding\)"
+    else:
+        model, fun, name = to_dtype(NnxTiedHead(nnx.Rngs(0), jnp.tanh)), nnx_lm_plain, r"'embed\.embedding' \(in module 'embed', Embed\)"
     ids = jax.random.randint(jax.random.key(3), (B, 3), 0, 7)
     check(fun, model, ids, jnp.roll(ids, 1, axis=1))
     with pytest.raises(jt.TagError, match=name) as info:
@@ -645,17 +666,27 @@ def test_low_precision(dtype):
 class WithRaw(eqx.Module):
     lin: eqx.nn.Linear
     scale: jax.Array
+    through: object = eqx.field(static=True, default=None)  # applied to `scale` first (None: nothing)
 
     def __call__(self, x):
-        return self.lin(x) * self.scale
+        return self.lin(x) * (self.scale if self.through is None else self.through(self.scale))
 
 
 def test_fallback_error_names_leaf_and_module():
-    model = WithRaw(eqx.nn.Linear(3, 2, key=KEY), jnp.ones(2))
+    """A raw array transformed before it meets the examples (``sin(scale)``) has no factors."""
+    model = WithRaw(eqx.nn.Linear(3, 2, key=KEY), jnp.ones(2), jnp.sin)
     with pytest.raises(jt.TagError, match=r"'scale' \(in module '', WithRaw\)"):
         jt.per_example_norms(mse, fallback="error")(model, jnp.ones((B, 3)), jnp.ones((B, 2)))
     x, y = data(B, 3), data(B, 2, key=2)  # and fallback="vmap" computes `scale` alone by vmap(grad)
     close(jit(jt.per_example_norms(mse))(to_dtype(model), x, y)[1], oracle_norms(mse, to_dtype(model), x, y))
+
+
+def test_a_raw_array_meeting_the_examples_as_it_is_is_on_factors():
+    """``lin(x) * scale``: each example's gradient of ``scale`` is its cotangent where ``scale`` is broadcast
+    against the examples (no exact path)."""
+    model = to_dtype(WithRaw(eqx.nn.Linear(3, 2, key=KEY), 1.0 + jnp.arange(2.0)))
+    x, y = data(B, 3), data(B, 2, key=2)
+    close(jit(jt.per_example_norms(mse, fallback="error"))(model, x, y)[1], oracle_norms(mse, model, x, y))
 
 
 def test_errors():

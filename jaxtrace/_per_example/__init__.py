@@ -12,7 +12,8 @@ repeated calls). Its squared norm is either
 whichever is smaller, picked per leaf from the shapes, as Opacus's fast gradient clipping
 does. One ``jt.vjp(..., with_values=True)`` pass over a model tagged by ``jt.tag_modules``
 gives every covered layer's input and output gradient; ``RULES`` says, per module class,
-which ``(a, b)`` factors each parameter gets. A leaf used by several layers (tied weights,
+which ``(a, b)`` factors each parameter gets, and ``READS``, per primitive, those of a leaf
+read without its module (``table[ids]``, ``h @ W.T``). A leaf used by several layers (tied weights,
 a module called several times) gets the factors of all its uses, so the cross terms are in
 its norm. Leaves no rule covers (or whose factors the traced program does not prove exact)
 take the exact path, the pullback of the losses vector against each example's basis vector,
@@ -23,7 +24,8 @@ squared-norm arithmetic), ``_rules`` (the per-layer rules, one function a kind o
 both frameworks), ``_plan`` (the model's differentiated leaves and which layer uses which:
 one plan, a small adapter per framework), ``_owners`` (which example's loss each
 element reaches: the per-primitive rules), ``_proof`` (the factorisation's conditions read
-from the traced program), ``_uses`` (leaves used outside their layers), ``_pass`` (the one
+from the traced program), ``_reads`` (leaves read by one primitive outside any layer:
+``table[ids]``, ``table[:n]``, ``h @ W.T``), ``_uses`` (leaves used outside their layers), ``_pass`` (the one
 pass and the norms from it), ``_transforms`` (the public functions).
 """
 

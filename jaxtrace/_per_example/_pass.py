@@ -3,8 +3,9 @@
 ``Call`` traces ``fun`` once, proves from that program which layers' factors give exact
 per-example gradients (``_proof``: independent examples, the weight is the leaf, the
 example axis of each layer's output), runs one pass that gives every covered layer's input
-and output gradient, and turns the factors of each leaf's uses into per-leaf squared norms
-or, weighted per example, into the clipped sum. Every other leaf (no rule, used outside
+and output gradient (and those of each leaf read by one primitive, ``_reads``, and where a
+leaf used as it is meets the examples), and turns the factors of each leaf's uses into
+per-leaf squared norms or, weighted per example, into the clipped sum. Every other leaf (no rule, used outside
 its layers, transformed before its layer, examples not proven apart at its layer, its layer
 called inside a custom derivative rule's function) takes
 the exact path: the definition, the pullback of the losses vector against each example's
@@ -25,15 +26,20 @@ from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
 from .._splice import bind_equation
 from .._tag import tag as _tag
+from ._factors import Use
 from ._leaf_sums import sq_norm, weighted_sum
 from ._plan import plan_for
 from ._owners import Every
 from ._proof import prove
+from ._reads import find_reads
 from ._uses import used_outside
 
 __all__ = ["Call"]
 
 _SHARED = ":shared:"  # "<path>:shared:<k>": a shared layer output where it meets the examples
+_NO_RULE = "no per-layer rule covers it"
+_READ = ":read:"  # "<leaf name>:read:<k>": a leaf read by one primitive outside its layers (``_reads``)
+_WHOLE = ":whole"  # "<leaf name>:whole": a leaf no layer or read holds, shared by every example as it is
 
 
 def _compute_dtype(dtype):
@@ -89,7 +95,20 @@ class Call:
                 f"example, of shape (batch,){' and its aux' if has_aux else ''}; got shape {losses_aval.shape}."
             )
         self.batch = losses_aval.shape[0]
-        self.proof = prove(self.jaxpr, len(plan.leaves), self.batch, paths)
+        self.read_names = {
+            f"{plan.names[read.leaf]}{_READ}{k}": read
+            for k, read in enumerate(find_reads(self.jaxpr, len(plan.leaves), paths))
+        }
+        read = {r.leaf for r in self.read_names.values()}
+        whole = {f"{plan.names[i]}{_WHOLE}": i for i in range(len(plan.leaves)) if i not in read}
+        self.proof = prove(
+            self.jaxpr, len(plan.leaves), self.batch, paths,
+            {n: r.eqn.outvars[0] for n, r in self.read_names.items() if not r.ctx}  # shared: top level only
+            | {n: self.jaxpr.invars[i] for n, i in whole.items()},
+        )
+        called = {i for layer in plan.layers if self.proof.occurrences.get(layer.path) for i in layer.leaves.values()}
+        whole = {n: i for n, i in whole.items() if i not in called}  # a called layer's leaves: its factors
+        self.proof.shared = [u for u in self.proof.shared if not u.path.endswith(_WHOLE) or u.path in whole]
         if self.proof.mixing is not None:
             raise TagError(
                 f"jaxtrace per-example gradients: {self.proof.mixing}. Per-example gradients (and DP-SGD's "
@@ -106,11 +125,31 @@ class Call:
         for k, use in enumerate(self.proof.shared):
             self.shared_names.setdefault(use.path, []).append((f"{use.path}{_SHARED}{k}", use))
         names |= {n for uses in self.shared_names.values() for n, _ in uses}
-        run = self._run_program if self.proof.shared else self._traced
+        self.reads, self.read_why = self._proven_reads()
+        # a leaf used as it is (``h + b``, a whole position table ``wpe[:T]`` with T its length) where every
+        # use meets the examples: each example's gradient is the cotangent of its broadcast there
+        self.whole = {n: i for n, i in whole.items() if n in self.shared_names}
+        names |= set(self.reads) | {n + INPUT_SUFFIX for n in self.reads}
+        run = self._run_program if self.proof.shared or self.reads else self._traced
         self.losses, self.pullback, (self.aux, self.state), self.values = _vjp(
             lambda leaves: _losses_first(run(leaves), has_aux), plan.leaves, with_values=True, has_aux=True,
             tags=lambda n: n in names,
         )
+
+    def _proven_reads(self) -> tuple[dict, dict]:
+        """``({tag name: Read}, {leaf: why its reads are not on factors})``: the top-level reads of a
+        leaf by one primitive (``_reads``) whose output positions each reach one example's loss, or
+        whose output is shared by every example and meets them where the proof lists it."""
+        met = {id(use.eqn) for use in self.proof.shared}
+        proven, why = {}, {}
+        for name, read in self.read_names.items():
+            if id(read.eqn) in met:
+                continue
+            if self.proof.axis_at(read.eqn.outvars[0], self.batch, read.ctx) is None and name not in self.shared_names:
+                why[read.leaf] = f"its read {_compat.construct(read.eqn)} has outputs that reach several examples' losses"
+                continue
+            proven[name] = read
+        return proven, why
 
     def _traced(self, leaves):
         """``(fun's output, the state the model changed)``, the model rebuilt from ``leaves``."""
@@ -132,6 +171,10 @@ class Call:
                 ids = tuple(map(id, use.ctx))
                 at[(*ids, id(use.eqn), use.index)] = name
                 inline.update(ids[: k + 1] for k in range(len(ids)))
+        for name, read in self.reads.items():
+            ids = tuple(map(id, read.ctx))
+            at[("read", *ids, id(read.eqn))] = name
+            inline.update(ids[: k + 1] for k in range(len(ids)))
         outs = self._run_jaxpr(self.jaxpr, self.consts, leaves, (), at, inline)
         return jax.tree_util.tree_unflatten(self._out_tree, outs)
 
@@ -150,6 +193,13 @@ class Call:
             elif met and eqn.primitive.name == "dot_general":
                 ((i, name),) = met
                 outs = [self._dot_per_example(eqn, ins, i, name, ctx)]
+            elif ("read", *key) in at:  # a leaf read outside its layers: its operand and output
+                name = at[("read", *key)]
+                other = self.reads[name].other
+                if other is not None:
+                    ins[other] = _tag(ins[other], name + INPUT_SUFFIX)
+                (out,) = bind_equation(eqn, ins)
+                outs = [out if name in self.shared_names else _tag(out, name)]  # shared: tagged where it meets the examples
             else:
                 for i, name in met:
                     ins[i] = _tag(jnp.broadcast_to(ins[i], eqn.outvars[0].aval.shape), name)
@@ -253,7 +303,7 @@ class Call:
         plan, dtypes = self.plan, self._dtypes
         _, tag_cts = self._first_pullback
         uses: dict = {}
-        why: dict = {i: "no per-layer rule covers it" for i in range(len(plan.leaves))}
+        why: dict = {i: _NO_RULE for i in range(len(plan.leaves))}
         owned: dict = {}
         for layer in plan.layers:
             occs = self.proof.occurrences.get(layer.path, [])
@@ -311,10 +361,41 @@ class Call:
                     continue
                 uses.setdefault(i, []).append(item)
                 owned.setdefault(layer.path, set()).add(i)
-        outside = used_outside(self.jaxpr, len(plan.leaves), owned)
+        cut_reads = {}
+        for name, read in self.reads.items():
+            i = read.leaf
+            x = self.values.get(name + INPUT_SUFFIX) if read.other is not None else None
+            use = None
+            if name in self.shared_names:  # each example's gradient where the shared output meets it
+                out_shape = read.eqn.outvars[0].aval.shape
+                g = sum(self._shared_gradient(tag_cts[n], u, out_shape) for n, u in self.shared_names[name])
+                use = read.shared_factors(x, g, jnp.promote_types(dtypes[i], _compute_dtype(g.dtype)))
+            elif read.other is None or isinstance(x, jax.Array):
+                g = tag_cts.get(name)
+                axis, inner = self.proof.axis_at(read.eqn.outvars[0], self.batch, read.ctx)
+                if isinstance(g, jax.Array):
+                    use = read.factors(x, g, axis, inner, jnp.promote_types(dtypes[i], _compute_dtype(g.dtype)))
+            if use is None:
+                self.read_why.setdefault(i, f"its read {_compat.construct(read.eqn)} does not keep the examples on its own axes")
+                continue
+            uses.setdefault(i, []).append(use)
+            cut_reads[(*map(id, read.ctx), id(read.eqn))] = (read.operand, i)
+        for name, i in self.whole.items():
+            shape = jnp.shape(plan.leaves[i])
+            g = sum(self._shared_gradient(tag_cts[n], u, shape) for n, u in self.shared_names[name])
+            uses.setdefault(i, []).append(Use(g.reshape(self.batch, 1, -1).astype(dtypes[i]), None))
+        outside = used_outside(self.jaxpr, len(plan.leaves), owned, cut_reads, set(self.whole.values()))
         for i in outside:
             if i in uses:
-                why[i] = "it is also used outside its layers (a tied head `h @ embed.weight.T`, a module no rule covers)"
+                why[i] = self.read_why.get(i) or (
+                    "it is also used outside its layers other than by a read the rules cover (a module no rule "
+                    "covers, a read in a loop body, an operation other than `table[ids]`, `table[:n]` or a matrix product)"
+                )
+            elif why[i] == _NO_RULE:
+                why[i] = self.read_why.get(i) or (
+                    f"{_NO_RULE}, and no read rule (`table[ids]`, `table[:n]`, a matrix product, outside loop bodies) "
+                    "covers how the program uses it"
+                )
         mixed = {i for i, us in uses.items() if len({isinstance(u, tuple) for u in us}) > 1}
         for i in mixed:
             why[i] = "it is used both as a whole and one slice per scan step"

@@ -120,8 +120,13 @@ class Proof:
 # --- the analysis -------------------------------------------------------------
 
 
-def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set) -> Proof:
-    """Reads ``jaxpr`` (invars: the leaves, then nothing; outvar 0: the losses ``(batch,)``)."""
+def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[dict] = None) -> Proof:
+    """Reads ``jaxpr`` (invars: the leaves, then nothing; outvar 0: the losses ``(batch,)``).
+
+    ``reads`` maps a name to the output var of a top-level equation that reads a leaf outside its
+    layers (``_reads``); where that output is shared by every example, ``Proof.shared`` also lists
+    where it meets the examples, under that name.
+    """
     analysis = _Analysis(batch, layer_paths)
     origins = [("leaf", i) for i in range(n_leaves)] + [None] * (len(jaxpr.invars) - n_leaves)
     deps = [True] * n_leaves + [False] * (len(jaxpr.invars) - n_leaves)
@@ -134,7 +139,7 @@ def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set) -> Proof:
         for occ in occs:
             if isinstance(occ.out, Every):
                 proof.unproven[path] = occ.out
-    proof.shared = analysis.shared_uses(jaxpr)
+    proof.shared = analysis.shared_uses(jaxpr, reads or {})
     return proof
 
 
@@ -390,18 +395,19 @@ class _Analysis:
             xs.append(unit(shape_of(v), where[0] + 1, where[1]) if where else Every("unknown", eqn))
         return got[:k] + carry + xs
 
-    def shared_uses(self, jaxpr) -> list:
-        """Where each top-level layer output that reaches every loss meets the examples; a layer with
-        any other use gets none (its leaves take the exact path)."""
+    def shared_uses(self, jaxpr, reads: dict) -> list:
+        """Where each top-level layer output (and each read ``reads`` names) that reaches every loss
+        meets the examples; one with any other use gets none (its leaves take the exact path)."""
+        starts = [(path, occ.eqn.outvars[0]) for path, occs in self.occurrences.items() for occ in occs if not occ.ctx]
         found = []
-        for path, occs in self.occurrences.items():
-            for occ in occs:
-                if occ.ctx or not isinstance(occ.out, Every) or occ.out.kind != "shared":
-                    continue
-                uses = self._meetings(jaxpr, occ.eqn.outvars[0], [], ())
-                if uses is None:
-                    continue
-                found.extend(SharedUse(path, eqn, index, chain, ctx) for eqn, index, chain, ctx in uses)
+        for path, var in [*starts, *reads.items()]:
+            state = self.state.get(((), var))
+            if not isinstance(state, Every) or state.kind != "shared":
+                continue
+            uses = self._meetings(jaxpr, var, [], ())
+            if uses is None:
+                continue
+            found.extend(SharedUse(path, eqn, index, chain, ctx) for eqn, index, chain, ctx in uses)
         return found
 
     def _meetings(self, jaxpr, var, chain, ctx) -> Optional[list]:

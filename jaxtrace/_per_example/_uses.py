@@ -16,7 +16,7 @@ to the fallback where its factors would have been enough, never the other way ro
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .. import _compat, _equation_params, _higher_order
 from .._module_tags import INPUT_SUFFIX
@@ -25,34 +25,49 @@ from .._tag import is_tag
 __all__ = ["used_outside"]
 
 
-def used_outside(jaxpr, n_leaves: int, owned: dict[str, set[int]]) -> set[int]:
+def used_outside(
+    jaxpr, n_leaves: int, owned: dict[str, set[int]], reads: Optional[dict[tuple, tuple[int, int]]] = None, whole: frozenset = frozenset()
+) -> set[int]:
     """Indices of the leaves (``jaxpr``'s first ``n_leaves`` invars) on which the jaxpr's first output
     depends other than through their layers.
 
-    ``owned`` maps a covered layer's tag name (its path) to the leaves its rule covers.
+    ``owned`` maps a covered layer's tag name (its path) to the leaves its rule covers; ``reads``
+    maps an equation that reads a leaf on factors (``_reads``), as the ``id``s of the calls that
+    hold it and its own, to ``(the operand that is the leaf or its transpose, the leaf)``; ``whole``: leaves
+    whose every use the pass reads where it meets the examples (none flows on).
     """
-    masks = [1 << i for i in range(n_leaves)] + [0] * (len(jaxpr.invars) - n_leaves)
+    masks = [0 if i in whole else 1 << i for i in range(n_leaves)] + [0] * (len(jaxpr.invars) - n_leaves)
     cut = {name: sum(1 << i for i in idx) for name, idx in owned.items()}
-    reached = _Flows(cut).run(jaxpr, [0] * len(jaxpr.constvars) + masks)[0]
+    flows = _Flows(cut, {k: (operand, 1 << i) for k, (operand, i) in (reads or {}).items()})
+    reached = flows.run(jaxpr, [0] * len(jaxpr.constvars) + masks, ())[0]
     return {i for i in range(n_leaves) if reached >> i & 1}
 
 
 class _Flows:
     """Bit masks of leaves, propagated through a jaxpr (bit ``i``: depends on leaf ``i``)."""
 
-    def __init__(self, cut: dict[str, int]):
+    def __init__(self, cut: dict[str, int], reads: dict[int, int]):
         self.cut = cut
+        self.reads = reads  # (ids of the calls, id(equation)) -> (operand, the bit of the leaf it reads there on factors)
         self.last_input: dict[str, int] = {}  # layer -> the leaves its current call's input depends on
 
-    def run(self, jaxpr, masks: Sequence[int]) -> list[int]:
-        """The masks of ``jaxpr``'s outputs, given those of its constvars and invars (in that order)."""
+    def run(self, jaxpr, masks: Sequence[int], ctx: Optional[tuple]) -> list[int]:
+        """The masks of ``jaxpr``'s outputs, given those of its constvars and invars (in that order);
+        ``ctx``: the ``id``s of the calls that hold it (``None`` inside any other body)."""
         env = dict(zip((*jaxpr.constvars, *jaxpr.invars), masks))
         for eqn in jaxpr.eqns:
             ins = [0 if isinstance(v, _compat.Literal) else env.get(v, 0) for v in eqn.invars]
-            if is_tag(eqn):
+            key = None if ctx is None else (*ctx, id(eqn))
+            if key in self.reads:  # a read on factors: its leaf's part flows no further
+                operand, bit = self.reads[key]
+                m = 0
+                for k, x in enumerate(ins):
+                    m |= x & ~bit if k == operand else x
+                outs = [m]
+            elif is_tag(eqn):
                 outs = [self._tag(eqn.params["name"], ins[0])]
             else:
-                outs = self._equation(eqn, ins)
+                outs = self._equation(eqn, ins, key)
             for v, m in zip(eqn.outvars, outs):
                 env[v] = m
         return [0 if isinstance(v, _compat.Literal) else env.get(v, 0) for v in jaxpr.outvars]
@@ -67,7 +82,7 @@ class _Flows:
             return (m & ~self.cut[name]) | self.last_input[name]
         return m
 
-    def _equation(self, eqn, ins: list[int]) -> list[int]:
+    def _equation(self, eqn, ins: list[int], key: Optional[tuple]) -> list[int]:
         name, kind, n_out = eqn.primitive.name, _higher_order.kind(eqn), len(eqn.outvars)
         if name == "stop_gradient":  # no derivative flows through it: a frozen leaf's gradient is zero
             return [0] * n_out
@@ -84,20 +99,20 @@ class _Flows:
                 outs = [a | b for a, b in zip(outs, self._call(branch, ins[1:]))]
             return outs
         if kind in (_higher_order.CALL, _higher_order.REMAT):
-            return self._call(_higher_order.body(eqn), ins)
+            return self._call(_higher_order.body(eqn), ins, key)
         bodies = _higher_order.bodies(eqn)  # anything else: every output depends on every operand
         m = 0
         for x in ins:
             m |= x
         for body in bodies:
             jaxpr, _ = _compat.jaxpr_and_consts(body)
-            for x in self.run(jaxpr, [m] * (len(jaxpr.constvars) + len(jaxpr.invars))):
+            for x in self.run(jaxpr, [m] * (len(jaxpr.constvars) + len(jaxpr.invars)), None):
                 m |= x
         return [m] * n_out
 
-    def _call(self, body, ins: list[int]) -> list[int]:
+    def _call(self, body, ins: list[int], ctx: Optional[tuple] = None) -> list[int]:
         jaxpr, _ = _compat.jaxpr_and_consts(body)
-        return self.run(jaxpr, [0] * len(jaxpr.constvars) + list(ins))
+        return self.run(jaxpr, [0] * len(jaxpr.constvars) + list(ins), ctx)
 
     def _loop(self, body, ins: list[int], n_consts: int, n_carry: int) -> list[int]:
         """A loop body ``(consts, carry, xs) -> (carry, ys)``: carries fed back to a fixed point."""

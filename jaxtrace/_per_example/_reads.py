@@ -1,0 +1,245 @@
+"""Leaves read by one primitive outside any layer: ``table[ids]``, ``table[:n]``, ``h @ W.T``.
+
+A ported model often reads a parameter without calling its module: GPT-2's token table as
+``wte.weight[ids]``, its position table as ``wpe.weight[:T]`` and its tied head as
+``h @ wte.weight.T``. Each such read is a layer of its own, with the same factors: a row
+gather is an embedding (the ids against the output gradient), a matrix product with the leaf
+a linear layer (the other operand against the output gradient), a slice of rows an embedding
+of fixed ids. ``READS`` maps a primitive's name to its rule: whether an equation is such a
+read (``match``) and, from the other operand and the output gradient the pass records there,
+the leaf's factors (``factors``; ``shared`` where the read's output is shared by every
+example, as ``wpe.weight[:T]`` inside ``jax.vmap(model)`` is, and meets them later).
+
+``find_reads`` looks at the program's top level and into the ``jit`` and ``checkpoint``
+bodies it calls (``jnp.take`` and ``jnp.einsum`` are such bodies), where the leaf is the
+program's own input or its ``transpose``, outside the covered layers' calls. A read in a
+loop, a branch or a custom rule's body is not listed, and its leaf keeps the exact path. The
+pass then proves, as for a layer, that each position of the read's output reaches one
+example's loss (a shared output: that the proof finds where it meets the examples, at the
+top level), and cuts the read out of the leaf's other uses (``_uses``): a leaf also used in
+any other way keeps the exact path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+import jax.numpy as jnp
+
+from .. import _compat, _equation_params
+from .._module_tags import INPUT_SUFFIX
+from .._tag import is_tag
+from ._factors import Index, Use
+
+__all__ = ["READS", "Read", "find_reads"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """One equation ``eqn`` reading leaf ``leaf`` as operand ``operand`` (through a ``transpose``
+    where ``transposed``), at the top level or in the calls ``ctx``; ``other`` is the operand the
+    pass records beside the output gradient (the ids of a gather, the activations of a product)."""
+
+    eqn: Any
+    leaf: int
+    operand: int
+    transposed: bool
+    rule: "ReadRule"
+    ctx: tuple = ()  # the jit and checkpoint equations that hold it, outermost first
+
+    @property
+    def other(self) -> Optional[int]:
+        """The operand recorded beside the output gradient (``None``: the leaf is the only one)."""
+        return None if len(self.eqn.invars) == 1 else 1 - self.operand
+
+    def factors(self, x, g, axis: int, inner: int, dtype) -> Optional[Use]:
+        """The leaf's ``Use`` from the recorded operand ``x`` and output gradient ``g`` (examples on
+        output axis ``axis``, each ``inner`` long); ``None`` where the examples are not on an axis
+        the factors can keep apart."""
+        return None if self.rule.factors is None else self.rule.factors(self, x, g, axis, inner, dtype)
+
+    def shared_factors(self, x, g, dtype) -> Optional[Use]:
+        """The leaf's ``Use`` where the read's output is shared by every example (``wpe[:T]`` inside
+        ``jax.vmap(model)``): ``g`` is each example's gradient there, ``(B, *output)``, and ``x`` the
+        recorded operand, shared too; ``None`` where the rule has no such case."""
+        return None if self.rule.shared is None else self.rule.shared(self, x, g, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRule:
+    """``match(eqn, operand, leaf_shape) -> bool``: operand ``operand`` (a 2-D or larger leaf, as the
+    equation sees it) is read as this rule covers; ``factors``, ``shared``: as ``Read.factors`` and
+    ``Read.shared_factors`` (``None``: not covered)."""
+
+    match: Callable[[Any, int, tuple], bool]
+    factors: Optional[Callable[..., Optional[Use]]]
+    shared: Optional[Callable[..., Optional[Use]]] = None
+
+
+READS: dict[str, ReadRule] = {}
+
+
+def find_reads(jaxpr, n_leaves: int, layers: set) -> list[Read]:
+    """The reads of leaves (``jaxpr``'s first ``n_leaves`` invars) by equations of the top level or of
+    the ``jit`` and ``checkpoint`` bodies it calls (``jnp.take`` and ``jnp.einsum`` are such bodies),
+    in program order, outside the calls of the covered layers ``layers`` (paths; their rules hold
+    what those read)."""
+    out: list = []
+    _Finder(layers, out).run(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}, ())
+    return out
+
+
+class _Finder:
+    def __init__(self, layers: set, out: list):
+        self.layers, self.out = layers, out
+
+    def run(self, jaxpr, leaf_of: dict, ctx: tuple) -> None:
+        transposed = {}  # a var that is transpose(leaf) of a matrix
+        open_calls: list = []
+        for eqn in jaxpr.eqns:
+            if is_tag(eqn):  # a covered layer's call runs from its input's tag to its output's
+                name = eqn.params["name"]
+                if name.endswith(INPUT_SUFFIX) and name[: -len(INPUT_SUFFIX)] in self.layers:
+                    open_calls.append(name[: -len(INPUT_SUFFIX)])
+                elif open_calls and name == open_calls[-1]:
+                    open_calls.pop()
+                continue
+            if open_calls:
+                continue
+            ins = [None if isinstance(a, _compat.Literal) else a for a in eqn.invars]
+            name = eqn.primitive.name
+            if name in _compat.INLINE_CALLS or name in _compat.REMAT:
+                body, _ = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
+                inner = {b: leaf_of[a] for a, b in zip(ins, body.invars) if a is not None and a in leaf_of}
+                if inner:
+                    self.run(body, inner, (*ctx, eqn))
+                continue
+            if name == "transpose" and ins[0] in leaf_of and tuple(eqn.params["permutation"]) == (1, 0):
+                transposed[eqn.outvars[0]] = leaf_of[ins[0]]
+                continue
+            rule = READS.get(name)
+            if rule is None or len(ins) > 2:
+                continue
+            for k, v in enumerate(ins):
+                if v is None or (v not in leaf_of and v not in transposed):
+                    continue
+                others = [a for j, a in enumerate(ins) if j != k and a is not None]
+                if rule.match(eqn, k, tuple(v.aval.shape)) and not any(a in leaf_of or a in transposed for a in others):
+                    t = v in transposed
+                    self.out.append(Read(eqn, transposed[v] if t else leaf_of[v], k, t, rule, ctx))
+                    break
+
+
+def _flat_examples(x, axis: int, inner: int, n_lead: int):
+    """``(F..., *rest)`` with the examples on lead axis ``axis`` -> ``(B, L, *rest)``."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], shape[axis] // inner, inner, *shape[axis + 1 :])
+    x = jnp.moveaxis(x, axis, 0)
+    return x.reshape(x.shape[0], -1, *x.shape[n_lead + 1 :])
+
+
+# --- dot_general: h @ W, h @ W.T, W @ h ----------------------------------------------------------
+
+
+def _dot_match(eqn, k, shape) -> bool:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    contract = (lc, rc)[k]
+    return len(shape) == 2 and not lb and not rb and len(contract) == 1
+
+
+def _dot_factors(read, x, g, axis, inner, dtype) -> Optional[Use]:
+    """``y = contract(x, M)`` over one axis of ``M`` (the leaf, or its transpose): the leaf's gradient
+    is ``sum_k x_k (x) g_k``, laid out as the leaf is (the contracted axis first or second)."""
+    (lc, rc), _ = read.eqn.params["dimension_numbers"]
+    c_leaf = int((lc, rc)[read.operand][0])
+    c_x = int((lc, rc)[read.other][0])
+    free = x.ndim - 1
+    # the output: lhs's free axes, then rhs's; the leaf has one free axis
+    lead_at = 0 if read.other == 0 else 1
+    if not lead_at <= axis < lead_at + free:
+        return None
+    xv = jnp.moveaxis(x, c_x, -1).astype(dtype)  # (F..., c)
+    gv = jnp.moveaxis(g, (1 - read.other) * (g.ndim - 1), -1).astype(dtype)  # the leaf's free axis last: (F..., n)
+    xb, gb = (_flat_examples(v, axis - lead_at, inner, free) for v in (xv, gv))
+    if read.transposed:
+        c_leaf = 1 - c_leaf
+    return Use(xb, gb, out="b") if c_leaf == 0 else Use(gb, xb)
+
+
+READS["dot_general"] = ReadRule(_dot_match, _dot_factors)
+
+
+# --- gather: table[ids] --------------------------------------------------------------------------
+
+
+def _gather_match(eqn, k, shape) -> bool:
+    if k != 0:
+        return False
+    d = eqn.params["dimension_numbers"]
+    n_out = len(eqn.outvars[0].aval.shape)
+    rest = len(shape) - 1
+    return (
+        tuple(d.collapsed_slice_dims) == (0,)
+        and tuple(d.start_index_map) == (0,)
+        and not tuple(getattr(d, "operand_batching_dims", ()))
+        and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
+        and tuple(d.offset_dims) == tuple(range(n_out - rest, n_out))
+        and eqn.invars[1].aval.shape[-1:] == (1,)
+    )
+
+
+def _gather_factors(read, ids, g, axis, inner, dtype) -> Optional[Use]:
+    """The selected rows (a one-hot ``Index``) against the output gradient; ids out of range are
+    clamped (``"clip"``, ``"promise_in_bounds"``) or get no gradient (``"fill"``), as the gather does."""
+    size = read.eqn.invars[0].aval.shape[0]
+    ids = ids[..., 0]
+    lead = ids.ndim
+    if axis >= lead:
+        return None
+    mode = str(read.eqn.params.get("mode", "")).lower()
+    g = g.astype(dtype)
+    if "fill" in mode:
+        inside = (ids >= 0) & (ids < size)
+        g = g * inside.reshape(*inside.shape, *(1,) * (g.ndim - lead)).astype(dtype)
+    ids = jnp.clip(ids, 0, size - 1)
+    gv = g.reshape(*g.shape[:lead], math.prod(g.shape[lead:]))
+    return Use(Index(_flat_ids(ids, axis, inner), size), _flat_examples(gv, axis, inner, lead))
+
+
+def _flat_ids(ids, axis, inner):
+    """Ids ``(F...)`` with the examples on ``axis`` -> ``(B, L)``."""
+    return _flat_examples(ids[..., None], axis, inner, ids.ndim)[..., 0]
+
+
+def _gather_shared(read, ids, g, dtype) -> Optional[Use]:
+    """Ids shared by every example (``table[jnp.arange(T)]`` inside ``jax.vmap(model)``)."""
+    return _gather_factors(read, jnp.broadcast_to(ids, (g.shape[0], *ids.shape)), g, 0, 1, dtype)
+
+
+READS["gather"] = ReadRule(_gather_match, _gather_factors, _gather_shared)
+
+
+# --- slice: table[:T] ----------------------------------------------------------------------------
+
+
+def _slice_match(eqn, k, shape) -> bool:
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params["strides"] or (1,) * len(shape)
+    return len(shape) >= 1 and all(
+        (s, l, st) == (0, n, 1) for s, l, st, n in zip(start[1:], limit[1:], strides[1:], shape[1:])
+    )
+
+
+def _slice_shared(read, _, g, dtype) -> Optional[Use]:
+    """Rows ``start, start + stride, ...`` of the leaf, shared by every example (``wpe.weight[:T]``
+    inside ``jax.vmap(model)``): those rows against each example's output gradient."""
+    size = read.eqn.invars[0].aval.shape[0]
+    start, stride = read.eqn.params["start_indices"][0], (read.eqn.params["strides"] or (1,))[0]
+    b, n = g.shape[:2]
+    rows = jnp.broadcast_to(start + stride * jnp.arange(n), (b, n))
+    return Use(Index(rows, size), g.reshape(b, n, -1).astype(dtype))
+
+
+READS["slice"] = ReadRule(_slice_match, None, _slice_shared)

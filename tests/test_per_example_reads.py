@@ -1,0 +1,167 @@
+"""Per-example gradients of tables and matrices read without calling their module, as ported models
+read them (``wte.weight[ids]``, ``wpe.weight[:T]``, ``h @ wte.weight.T``, ``jnp.einsum``): on factors
+(``fallback="error"`` passes) and equal to the definition, row i of ``jax.jacrev`` of the losses
+vector, float64; reads the rules do not cover keep the exact path, named under ``fallback="error"``."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxtrace as jt
+
+B, T, V, D = 3, 4, 7, 5
+KEYS = jax.random.split(jax.random.key(1), 8)
+
+
+def definition(losses_fn, model, *args):
+    diff, static = eqx.partition(model, eqx.is_inexact_array)
+    rows = jax.jacrev(lambda d: losses_fn(eqx.combine(d, static), *args))(diff)
+    return jax.tree_util.tree_map(lambda j: jnp.sum(j.reshape(j.shape[0], -1) ** 2, axis=1), rows), rows
+
+
+def check(losses_fn, model, *args, jit, on_factors=True, max_norm=0.5):
+    sq_ref, rows = definition(losses_fn, model, *args)
+    w = jnp.minimum(1.0, max_norm / jnp.sqrt(sum(jax.tree_util.tree_leaves(sq_ref))))
+    clipped_ref = jax.tree_util.tree_map(lambda j: jnp.tensordot(w, j, 1), rows)
+    fallback = "error" if on_factors else "vmap"
+
+    def ours(*args):
+        norms = jt.per_example_norms(losses_fn, fallback=fallback)(*args)[1]
+        return norms, jt.clipped_grad(losses_fn, max_norm, fallback=fallback)(*args)[1]
+
+    sq, clipped = (eqx.filter_jit(ours) if jit else ours)(model, *args)
+    for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref), strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+    for a, e in zip(jax.tree_util.tree_leaves(clipped), jax.tree_util.tree_leaves(clipped_ref), strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+
+
+class Port(eqx.Module):
+    """A GPT-style port that reads its parameters as Hugging Face ports do: the token table by
+    indexing, the position table by slicing, a projection by ``h @ W`` and by ``W @ h.T`` (the matrix
+    as the left operand), and the head tied to the token table, ``h @ wte.T`` (or by ``jnp.einsum``,
+    whose product sits in a ``jit`` body of its own)."""
+
+    wte: jax.Array
+    wpe: jax.Array
+    ln: eqx.nn.LayerNorm
+    proj: jax.Array
+    head: str = eqx.field(static=True)
+
+    def __init__(self, key, head="matmul"):
+        k = jax.random.split(key, 3)
+        self.wte, self.wpe = jax.random.normal(k[0], (V, D)), jax.random.normal(k[1], (T + 2, D))
+        self.ln, self.proj = eqx.nn.LayerNorm(D), 0.5 * jax.random.normal(k[2], (D, D))
+        self.head = head
+
+    def __call__(self, ids):
+        h = self.wte[ids] + self.wpe[: ids.shape[0]]
+        h = jax.vmap(self.ln)(h)
+        h = jnp.tanh(h @ self.proj)
+        h = jnp.tanh(self.proj @ h.T).T
+        if self.head == "einsum":
+            return jnp.einsum("td,vd->tv", h, self.wte)
+        return h @ self.wte.T
+
+
+def lm_losses(model, ids):
+    logp = jax.nn.log_softmax(jax.vmap(model)(ids))
+    return -jnp.mean(jnp.take_along_axis(logp, jnp.roll(ids, 1, axis=1)[..., None] % V, axis=-1)[..., 0], axis=1)
+
+
+def ids_with_ends():
+    return jax.random.randint(KEYS[4], (B, T), -V, V).at[0, 0].set(-1).at[0, 1].set(V - 1)
+
+
+@pytest.mark.parametrize("head", ["matmul", "einsum"])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.long_eager), True])
+def test_a_ported_model_reading_its_tables_is_on_factors(jit, head):
+    check(lm_losses, Port(KEYS[0], head), ids_with_ends(), jit=jit)
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_take_out_of_range_ids_as_the_gather_does(mode):
+    """``jnp.take`` (a ``jit`` body): with ``mode="fill"`` ids past the end read zeros and get no
+    gradient, with ``"clip"`` they read the last row."""
+
+    class Take(eqx.Module):
+        table: jax.Array
+        lin: eqx.nn.Linear
+
+        def __call__(self, ids):
+            return jax.vmap(self.lin)(jnp.tanh(jnp.take(self.table, ids, axis=0, mode=mode, fill_value=0.0 if mode == "fill" else None)))
+
+    ids = jax.random.randint(KEYS[5], (B, T), 0, V + 3).at[0, 0].set(V + 2).at[1, 1].set(V - 1)
+    model = Take(jax.random.normal(KEYS[1], (V, D)), eqx.nn.Linear(D, 2, key=KEYS[2]))
+    check(lambda m, i: jnp.sum(jax.vmap(m)(i) ** 2, axis=(1, 2)), model, ids, jit=True)
+
+
+def test_shared_position_rows_by_arange_and_a_three_axis_table():
+    """``pos[jnp.arange(T)]`` (shared ids) and rows of a ``(V, 2, D)`` table, each row a matrix."""
+
+    class Rows(eqx.Module):
+        table: jax.Array
+        pos: jax.Array
+
+        def __call__(self, ids):
+            h = self.table[ids].reshape(ids.shape[0], -1) + self.pos[jnp.arange(ids.shape[0])].reshape(ids.shape[0], -1)
+            return jnp.tanh(h)
+
+    model = Rows(jax.random.normal(KEYS[1], (V, 2, D)), jax.random.normal(KEYS[2], (T, 2, D)))
+    check(lambda m, i: jnp.sum(jnp.sin(jax.vmap(m)(i)), axis=(1, 2)), model, ids_with_ends(), jit=True)
+
+
+def test_reads_inside_checkpoint_are_on_factors():
+    class Remat(eqx.Module):
+        table: jax.Array
+        w: jax.Array
+
+        def __call__(self, ids):
+            return jax.checkpoint(lambda t, w: jnp.tanh(t[ids]) @ w)(self.table, self.w)
+
+    model = Remat(jax.random.normal(KEYS[1], (V, D)), jax.random.normal(KEYS[2], (D, 3)))
+    check(lambda m, i: jnp.sum(jax.vmap(m)(i) ** 2, axis=(1, 2)), model, ids_with_ends(), jit=True)
+
+
+def test_reads_the_rules_do_not_cover_keep_the_exact_path():
+    """A read in a ``lax.scan`` body, a read of a transformed matrix, a shared read inside a ``jit``
+    body and a matrix read twice in one product: exact, and ``fallback="error"`` names each."""
+
+    class Uncovered(eqx.Module):
+        a: jax.Array  # read in a scan body
+        b: jax.Array  # read through tanh
+        c: jax.Array  # jnp.take of shared ids: the shared output leaves its jit body
+        e: jax.Array  # e @ e
+
+        def __call__(self, ids):
+            h = jnp.tanh(jnp.take(self.c, jnp.arange(ids.shape[0]), axis=0))
+            h = h + jax.lax.scan(lambda carry, i: (carry, self.a[i]), 0.0, ids)[1]
+            h = jnp.tanh(h @ jnp.tanh(self.b))
+            return h @ (self.e @ self.e)
+
+    model = Uncovered(*(jax.random.normal(k, (V, V)) for k in KEYS[:4]))
+    ids = jax.random.randint(KEYS[5], (B, V), 0, V)
+    losses = lambda m, i: jnp.sum(jax.vmap(m)(i) ** 2, axis=(1, 2))  # noqa: E731
+    check(losses, model, ids, jit=True, on_factors=False)
+    with pytest.raises(jt.TagError) as info:
+        jt.per_example_norms(losses, fallback="error")(model, ids)
+    for name in ("'a'", "'b'", "'c'", "'e'"):
+        assert name in str(info.value)
+
+
+def test_a_read_whose_outputs_reach_several_examples_is_not_on_factors():
+    """The product of a matrix with the examples' mean reaches every loss: not a per-example read
+    (it mixes examples: refused, as the proof refuses any mixing through a leaf)."""
+
+    class Centred(eqx.Module):
+        w: jax.Array
+
+    def losses(m, x):
+        h = jnp.tanh(x @ m.w)
+        return jnp.sum((h - jnp.mean(h, axis=0) @ m.w) ** 2, axis=1)
+
+    model, x = Centred(jax.random.normal(KEYS[1], (D, D))), jax.random.normal(KEYS[2], (B, D))
+    with pytest.raises(jt.TagError, match="example"):
+        jt.per_example_norms(losses)(model, x)
