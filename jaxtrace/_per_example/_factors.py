@@ -99,7 +99,7 @@ def sq_norm(uses: list[Use], dtype) -> jax.Array:
     for u in uses:  # the per-example gradient of this leaf, (B, dA, dB)
         if isinstance(u.a, Index):
             b = u.b
-            grad = grad + jax.vmap(lambda ids, bb: jnp.zeros((u.a.size, bb.shape[-1]), dtype).at[ids].add(bb))(u.a.ids, b)
+            grad = grad + jax.vmap(lambda ids, bb: jnp.zeros((u.a.size, bb.shape[-1]), dtype).at[ids].add(bb.astype(dtype)))(u.a.ids, b)
         else:
             grad = grad + jnp.einsum("bka,bkc->bac", u.a, u.b, precision=HIGHEST)
     return jnp.sum(grad * grad, axis=(1, 2))
@@ -128,7 +128,7 @@ def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> ja
             else:
                 part = _contract(_row_weights(w, u.a), _rows(u.a))
         elif isinstance(u.a, Index):
-            b = (u.b * w[:, None, None]).reshape(-1, u.b.shape[-1])
+            b = (u.b * w[:, None, None]).reshape(-1, u.b.shape[-1]).astype(dtype)
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b)
         else:
             wk = _row_weights(w, u.a)[:, None]

@@ -76,6 +76,7 @@ class ReadRule:
     match: Callable[[Any, int, tuple], bool]
     factors: Optional[Callable[..., Optional[Use]]]
     shared: Optional[Callable[..., Optional[Use]]] = None
+    transposable: bool = False  # it reads a matrix's transpose too (a product; rows of ``W.T`` are not rows)
 
 
 READS: dict[str, ReadRule] = {}
@@ -87,7 +88,7 @@ def find_reads(jaxpr, n_leaves: int, layers: set) -> list[Read]:
     in program order, outside the calls of the covered layers ``layers`` (paths; their rules hold
     what those read)."""
     out: list = []
-    _Finder(layers, out).run(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:n_leaves])}, ())
+    _Finder(layers, out).run(jaxpr, {v: (i, False) for i, v in enumerate(jaxpr.invars[:n_leaves])}, ())
     return out
 
 
@@ -95,8 +96,8 @@ class _Finder:
     def __init__(self, layers: set, out: list):
         self.layers, self.out = layers, out
 
-    def run(self, jaxpr, leaf_of: dict, ctx: tuple) -> None:
-        transposed = {}  # a var that is transpose(leaf) of a matrix
+    def run(self, jaxpr, alias: dict, ctx: tuple) -> None:
+        """``alias``: var -> ``(leaf, transposed)``, the leaf itself or seen through ``_VIEWS``."""
         open_calls: list = []
         for eqn in jaxpr.eqns:
             if is_tag(eqn):  # a covered layer's call runs from its input's tag to its output's
@@ -112,24 +113,45 @@ class _Finder:
             name = eqn.primitive.name
             if name in _compat.INLINE_CALLS or name in _compat.REMAT:
                 body, _ = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
-                inner = {b: leaf_of[a] for a, b in zip(ins, body.invars) if a is not None and a in leaf_of}
+                inner = {b: alias[a] for a, b in zip(ins, body.invars) if a is not None and a in alias}
                 if inner:
                     self.run(body, inner, (*ctx, eqn))
                 continue
-            if name == "transpose" and ins[0] in leaf_of and tuple(eqn.params["permutation"]) == (1, 0):
-                transposed[eqn.outvars[0]] = leaf_of[ins[0]]
+            view = _VIEWS.get(name)
+            if view is not None and len(ins) == 1 and ins[0] in alias:
+                flips = view(eqn)
+                if flips is not None:
+                    leaf, t = alias[ins[0]]
+                    alias[eqn.outvars[0]] = (leaf, t != flips)
                 continue
             rule = READS.get(name)
             if rule is None or len(ins) > 2:
                 continue
             for k, v in enumerate(ins):
-                if v is None or (v not in leaf_of and v not in transposed):
+                if v is None or v not in alias:
+                    continue
+                leaf, t = alias[v]
+                if t and not rule.transposable:
                     continue
                 others = [a for j, a in enumerate(ins) if j != k and a is not None]
-                if rule.match(eqn, k, tuple(v.aval.shape)) and not any(a in leaf_of or a in transposed for a in others):
-                    t = v in transposed
-                    self.out.append(Read(eqn, transposed[v] if t else leaf_of[v], k, t, rule, ctx))
+                if rule.match(eqn, k, tuple(v.aval.shape)) and not any(a in alias for a in others):
+                    self.out.append(Read(eqn, leaf, k, t, rule, ctx))
                     break
+
+
+def _transpose_view(eqn) -> Optional[bool]:
+    return True if tuple(eqn.params["permutation"]) == (1, 0) else None
+
+
+def _convert_view(eqn) -> Optional[bool]:
+    """A cast between floating dtypes (mixed precision: ``W.astype(jnp.bfloat16)``): its pullback casts back."""
+    src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    return False if jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating) else None
+
+
+# The views of a leaf a read may see it through: primitive -> (eqn -> whether it transposes a
+# matrix, or None where it is not such a view).
+_VIEWS = {"transpose": _transpose_view, "convert_element_type": _convert_view}
 
 
 def _flat_examples(x, axis: int, inner: int, n_lead: int):
@@ -168,7 +190,7 @@ def _dot_factors(read, x, g, axis, inner, dtype) -> Optional[Use]:
     return Use(xb, gb, out="b") if c_leaf == 0 else Use(gb, xb)
 
 
-READS["dot_general"] = ReadRule(_dot_match, _dot_factors)
+READS["dot_general"] = ReadRule(_dot_match, _dot_factors, transposable=True)
 
 
 # --- gather: table[ids] --------------------------------------------------------------------------
