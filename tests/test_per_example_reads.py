@@ -185,3 +185,54 @@ def test_a_read_whose_outputs_reach_several_examples_is_not_on_factors():
     model, x = Centred(jax.random.normal(KEYS[1], (D, D))), jax.random.normal(KEYS[2], (B, D))
     with pytest.raises(jt.TagError, match="example"):
         jt.per_example_norms(losses)(model, x)
+
+
+def test_products_with_many_axes_are_on_factors():
+    """``jnp.einsum`` with a 3-axis weight (attention projections stored ``(d, heads, head_dim)``),
+    contracted on its leading axis or on its two leading axes (reads); contracted on a middle axis,
+    interleaved with the free ones, it is no read but a weight meeting the examples as it is (each
+    example's gradient where it does: B copies of it)."""
+
+    class Heads(eqx.Module):
+        wq: jax.Array  # (d, h, k): contracted on d
+        wo: jax.Array  # (h, k, d): contracted on (h, k)
+        mid: jax.Array  # (h, d, k): contracted on d, its middle axis
+
+        def __call__(self, x):
+            q = jnp.tanh(jnp.einsum("td,dhk->thk", x, self.wq))
+            y = jnp.einsum("thk,hkd->td", q, self.wo)
+            return y + jnp.einsum("td,hdk->thk", x, self.mid).sum(-1).sum(-1, keepdims=True)
+
+    model = Heads(*(jax.random.normal(k, s) for k, s in zip(KEYS, ((D, 2, 3), (2, 3, D), (2, D, 3)))))
+    x = jax.random.normal(KEYS[5], (B, T, D))
+    check(lambda m, x: jnp.sum(jnp.sin(jax.vmap(m)(x)), axis=(1, 2)), model, x, jit=True)
+
+
+def test_nnx_multi_head_attention_is_on_factors():
+    """``nnx.MultiHeadAttention``'s ``LinearGeneral`` projections read their 3-axis kernels by one
+    product each, and add their biases as they are: every leaf on factors."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            kw = dict(rngs=rngs, param_dtype=jnp.float64, dtype=jnp.float64)
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=4, qkv_features=4, decode=False, **kw)
+            self.head = nnx.Linear(4, 3, **kw)
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(self.attn(x)))
+
+    model, x = Model(nnx.Rngs(0)), jax.random.normal(KEYS[6], (B, T, 4))
+
+    def losses(m, x):
+        return jnp.sum(m(x) ** 2, axis=(1, 2))
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # both compiled: the key projection's gradient cancels (softmax is shift-invariant), and XLA's
+    # compiled attention differs from the eager one there by 5e-8 relative, for jax.jacrev too
+    rows = jax.jit(jax.jacrev(lambda p: losses(nnx.merge(graphdef, p, rest), x)))(params)
+    sq_ref = jax.tree_util.tree_map(lambda j: jnp.sum(j.reshape(B, -1) ** 2, axis=1), rows)
+    _, sq = nnx.jit(jt.per_example_norms(losses, fallback="error"))(model, x)
+    scale = max(float(jnp.max(e)) for e in jax.tree_util.tree_leaves(sq_ref))
+    for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref), strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12 * scale)

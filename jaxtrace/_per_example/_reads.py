@@ -2,10 +2,11 @@
 
 A ported model often reads a parameter without calling its module: GPT-2's token table as
 ``wte.weight[ids]``, its position table as ``wpe.weight[:T]`` and its tied head as
-``h @ wte.weight.T``. Each such read is a layer of its own, with the same factors: a row
-gather is an embedding (the ids against the output gradient), a matrix product with the leaf
-a linear layer (the other operand against the output gradient), a slice of rows an embedding
-of fixed ids. ``READS`` maps a primitive's name to its rule: whether an equation is such a
+``h @ wte.weight.T``; NNX's ``LinearGeneral`` reads its kernel by one ``dot_general``. Each
+such read is a layer of its own, with the same factors: a row gather is an embedding (the ids
+against the output gradient), a product with the leaf contracted on its leading or trailing
+axes a linear layer (the other operand against the output gradient), a slice of rows an
+embedding of fixed ids. ``READS`` maps a primitive's name to its rule: whether an equation is such a
 read (``match``) and, from the other operand and the output gradient the pass records there,
 the leaf's factors (``factors``; ``shared`` where the read's output is shared by every
 example, as ``wpe.weight[:T]`` inside ``jax.vmap(model)`` is, and meets them later).
@@ -162,32 +163,51 @@ def _flat_examples(x, axis: int, inner: int, n_lead: int):
     return x.reshape(x.shape[0], -1, *x.shape[n_lead + 1 :])
 
 
-# --- dot_general: h @ W, h @ W.T, W @ h ----------------------------------------------------------
+# --- dot_general: h @ W, h @ W.T, W @ h, jnp.einsum, nnx.LinearGeneral ------------------------------
+
+
+def _leaf_contract(shape, dims) -> Optional[bool]:
+    """Whether the leaf's contracted axes ``dims`` are its leading axes (``True``) or its trailing ones
+    (``False``), each block in order; ``None`` where they are interleaved with its free axes."""
+    n, dims = len(shape), tuple(int(d) for d in dims)
+    if not dims or len(dims) == n:
+        return None
+    if tuple(sorted(dims)) == tuple(range(len(dims))):
+        return True
+    if tuple(sorted(dims)) == tuple(range(n - len(dims), n)):
+        return False
+    return None
 
 
 def _dot_match(eqn, k, shape) -> bool:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    contract = (lc, rc)[k]
-    return len(shape) == 2 and not lb and not rb and len(contract) == 1
+    return len(shape) >= 2 and not lb and not rb and _leaf_contract(shape, (lc, rc)[k]) is not None
 
 
 def _dot_factors(read, x, g, axis, inner, dtype) -> Optional[Use]:
-    """``y = contract(x, M)`` over one axis of ``M`` (the leaf, or its transpose): the leaf's gradient
-    is ``sum_k x_k (x) g_k``, laid out as the leaf is (the contracted axis first or second)."""
+    """``y = contract(x, M)`` over some axes of ``M`` (the leaf, or a matrix's transpose): the leaf's
+    gradient is ``sum_k x_k (x) g_k`` over the positions ``k`` of ``x``'s free axes, ``x_k`` its
+    contracted axes flattened in the leaf's order, ``g_k`` the leaf's free axes; laid out as the leaf
+    is (contracted axes first, or last)."""
     (lc, rc), _ = read.eqn.params["dimension_numbers"]
-    c_leaf = int((lc, rc)[read.operand][0])
-    c_x = int((lc, rc)[read.other][0])
-    free = x.ndim - 1
-    # the output: lhs's free axes, then rhs's; the leaf has one free axis
-    lead_at = 0 if read.other == 0 else 1
+    leaf_dims, x_dims = (lc, rc)[read.operand], (lc, rc)[read.other]
+    shape = read.eqn.invars[read.operand].aval.shape
+    leading = _leaf_contract(shape, leaf_dims)
+    pairs = sorted(zip((int(d) for d in leaf_dims), (int(d) for d in x_dims)))  # in the leaf's axis order
+    free, n_free_leaf = x.ndim - len(pairs), len(shape) - len(pairs)
+    # the output: lhs's free axes, then rhs's
+    lead_at = 0 if read.other == 0 else n_free_leaf
     if not lead_at <= axis < lead_at + free:
         return None
-    xv = jnp.moveaxis(x, c_x, -1).astype(dtype)  # (F..., c)
-    gv = jnp.moveaxis(g, (1 - read.other) * (g.ndim - 1), -1).astype(dtype)  # the leaf's free axis last: (F..., n)
+    xv = jnp.moveaxis(x, [d for _, d in pairs], list(range(free, x.ndim)))
+    xv = xv.reshape(*xv.shape[:free], -1).astype(dtype)  # (F..., prod contracted)
+    leaf_out = list(range(g.ndim - n_free_leaf, g.ndim)) if read.other == 0 else list(range(n_free_leaf))
+    gv = jnp.moveaxis(g, leaf_out, list(range(free, g.ndim)))
+    gv = gv.reshape(*gv.shape[:free], -1).astype(dtype)  # (F..., prod free of the leaf)
     xb, gb = (_flat_examples(v, axis - lead_at, inner, free) for v in (xv, gv))
-    if read.transposed:
-        c_leaf = 1 - c_leaf
-    return Use(xb, gb, out="b") if c_leaf == 0 else Use(gb, xb)
+    if read.transposed:  # a matrix seen through its transpose
+        leading = not leading
+    return Use(xb, gb, out="b") if leading else Use(gb, xb)
 
 
 READS["dot_general"] = ReadRule(_dot_match, _dot_factors, transposable=True)
