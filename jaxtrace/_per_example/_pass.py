@@ -137,9 +137,9 @@ class Call:
         )
 
     def _proven_reads(self) -> tuple[dict, dict]:
-        """``({tag name: Read}, {leaf: why its reads are not on factors})``: the top-level reads of a
-        leaf by one primitive (``_reads``) whose output positions each reach one example's loss, or
-        whose output is shared by every example and meets them where the proof lists it."""
+        """``({tag name: Read}, {leaf: why its reads are not on factors})``: the reads of a leaf by one
+        primitive (``_reads``) whose output positions each reach one example's loss, or whose output
+        is shared by every example and meets them where the proof lists it."""
         met = {id(use.eqn) for use in self.proof.shared}
         proven, why = {}, {}
         for name, read in self.read_names.items():
