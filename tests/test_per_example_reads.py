@@ -228,11 +228,14 @@ def test_nnx_multi_head_attention_is_on_factors():
         return jnp.sum(m(x) ** 2, axis=(1, 2))
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    # both compiled: the key projection's gradient cancels (softmax is shift-invariant), and XLA's
-    # compiled attention differs from the eager one there by 5e-8 relative, for jax.jacrev too
-    rows = jax.jit(jax.jacrev(lambda p: losses(nnx.merge(graphdef, p, rest), x)))(params)
+    rows = jax.jacrev(lambda p: losses(nnx.merge(graphdef, p, rest), x))(params)
     sq_ref = jax.tree_util.tree_map(lambda j: jnp.sum(j.reshape(B, -1) ** 2, axis=1), rows)
-    _, sq = nnx.jit(jt.per_example_norms(losses, fallback="error"))(model, x)
     scale = max(float(jnp.max(e)) for e in jax.tree_util.tree_leaves(sq_ref))
-    for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref), strict=True):
-        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12 * scale)
+    # To 1e-6, not 1e-10: this attention's key-projection norms move by up to 1.4e-7 relative
+    # between two programs for the same gradient (measured: compiled against eager jax.jacrev,
+    # 5e-8 on JAX 0.10 and 0.12; jaxtrace eager against eager jax.jacrev, 1.4e-7 on JAX 0.7.2).
+    # A wrong factor is off by order one.
+    for run, rtol in ((jt.per_example_norms(losses, fallback="error"), 1e-6), (nnx.jit(jt.per_example_norms(losses, fallback="error")), 1e-6)):
+        _, sq = run(model, x)
+        for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref), strict=True):
+            np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * 1e-2 * scale)
