@@ -14,7 +14,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HIGHEST", "Index", "Use", "sq_norm", "weighted_sum"]
+__all__ = ["HIGHEST", "Index", "Use", "examples_first", "sq_norm", "weighted_sum"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -52,6 +52,15 @@ class Use:
 # Pytrees, so that the factors of a layer stacked in ``lax.scan`` can be mapped over its steps.
 jax.tree_util.register_dataclass(Index, data_fields=["ids"], meta_fields=["size"])
 jax.tree_util.register_dataclass(Use, data_fields=["a", "b"], meta_fields=["out"])
+
+
+def examples_first(x, axis: int, inner: int, n_lead: int) -> jax.Array:
+    """``(B, L, *rest)`` from ``x`` whose first ``n_lead`` axes are positions: the examples' axis
+    (``axis``, each example ``inner`` long) first, the other leading axes flattened into one."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], shape[axis] // inner, inner, *shape[axis + 1 :])
+    x = jnp.moveaxis(x, axis, 0)
+    return x.reshape(x.shape[0], -1, *x.shape[n_lead + 1 :])
 
 
 def _k(f) -> int:

@@ -26,7 +26,7 @@ from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
 from .._splice import bind_equation
 from .._tag import tag as _tag
-from ._factors import Use
+from ._factors import Use, examples_first
 from ._leaf_sums import sq_norm, weighted_sum
 from ._plan import plan_for
 from ._owners import Every
@@ -44,15 +44,6 @@ _WHOLE = ":whole"  # "<leaf name>:whole": a leaf no layer or read holds, shared 
 
 def _compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
-
-
-def _examples_first(x, axis: int, inner: int, n_lead: int):
-    """``(B, L, *rest)``: the examples' axis (``axis``, each example ``inner`` long) first, the other
-    leading axes flattened into one."""
-    shape = x.shape
-    x = x.reshape(*shape[:axis], shape[axis] // inner, inner, *shape[axis + 1 :])
-    x = jnp.moveaxis(x, axis, 0)
-    return x.reshape(x.shape[0], -1, *x.shape[n_lead + 1 :])
 
 
 class Call:
@@ -348,12 +339,12 @@ class Call:
                 module = _step_module(layer.module, x.shape[0])
                 per_step = jax.vmap(
                     lambda xs, gs: layer.rule.factors(
-                        module, _examples_first(xs, axis - 1, inner, n_lead - 1), _examples_first(gs.astype(dt), axis - 1, inner, n_lead - 1)
+                        module, examples_first(xs, axis - 1, inner, n_lead - 1), examples_first(gs.astype(dt), axis - 1, inner, n_lead - 1)
                     )
                 )(xf, g)
             factors = {}
             if set(leaves) - stepped:
-                xb, gb = _examples_first(xf, axis, inner, n_lead), _examples_first(g.astype(dt), axis, inner, n_lead)
+                xb, gb = examples_first(xf, axis, inner, n_lead), examples_first(g.astype(dt), axis, inner, n_lead)
                 factors = layer.rule.factors(layer.module, xb, gb)
             for attr, (kind, i) in leaves.items():
                 item = ("steps", per_step.get(attr)) if attr in stepped else factors.get(attr)

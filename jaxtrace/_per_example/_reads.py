@@ -27,12 +27,13 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from .. import _compat, _equation_params
 from .._module_tags import INPUT_SUFFIX
 from .._tag import is_tag
-from ._factors import Index, Use
+from ._factors import Index, Use, examples_first
 
 __all__ = ["READS", "Read", "find_reads"]
 
@@ -155,14 +156,6 @@ def _convert_view(eqn) -> Optional[bool]:
 _VIEWS = {"transpose": _transpose_view, "convert_element_type": _convert_view}
 
 
-def _flat_examples(x, axis: int, inner: int, n_lead: int):
-    """``(F..., *rest)`` with the examples on lead axis ``axis`` -> ``(B, L, *rest)``."""
-    shape = x.shape
-    x = x.reshape(*shape[:axis], shape[axis] // inner, inner, *shape[axis + 1 :])
-    x = jnp.moveaxis(x, axis, 0)
-    return x.reshape(x.shape[0], -1, *x.shape[n_lead + 1 :])
-
-
 # --- dot_general: h @ W, h @ W.T, W @ h, jnp.einsum, nnx.LinearGeneral ------------------------------
 
 
@@ -204,7 +197,7 @@ def _dot_factors(read, x, g, axis, inner, dtype) -> Optional[Use]:
     leaf_out = list(range(g.ndim - n_free_leaf, g.ndim)) if read.other == 0 else list(range(n_free_leaf))
     gv = jnp.moveaxis(g, leaf_out, list(range(free, g.ndim)))
     gv = gv.reshape(*gv.shape[:free], -1).astype(dtype)  # (F..., prod free of the leaf)
-    xb, gb = (_flat_examples(v, axis - lead_at, inner, free) for v in (xv, gv))
+    xb, gb = (examples_first(v, axis - lead_at, inner, free) for v in (xv, gv))
     if read.transposed:  # a matrix seen through its transpose
         leading = not leading
     return Use(xb, gb, out="b") if leading else Use(gb, xb)
@@ -240,19 +233,18 @@ def _gather_factors(read, ids, g, axis, inner, dtype) -> Optional[Use]:
     lead = ids.ndim
     if axis >= lead:
         return None
-    mode = str(read.eqn.params.get("mode", "")).lower()
     g = g.astype(dtype)
-    if "fill" in mode:
+    if read.eqn.params.get("mode") == jax.lax.GatherScatterMode.FILL_OR_DROP:
         inside = (ids >= 0) & (ids < size)
         g = g * inside.reshape(*inside.shape, *(1,) * (g.ndim - lead)).astype(dtype)
     ids = jnp.clip(ids, 0, size - 1)
     gv = g.reshape(*g.shape[:lead], math.prod(g.shape[lead:]))
-    return Use(Index(_flat_ids(ids, axis, inner), size), _flat_examples(gv, axis, inner, lead))
+    return Use(Index(_flat_ids(ids, axis, inner), size), examples_first(gv, axis, inner, lead))
 
 
 def _flat_ids(ids, axis, inner):
     """Ids ``(F...)`` with the examples on ``axis`` -> ``(B, L)``."""
-    return _flat_examples(ids[..., None], axis, inner, ids.ndim)[..., 0]
+    return examples_first(ids[..., None], axis, inner, ids.ndim)[..., 0]
 
 
 def _gather_shared(read, ids, g, dtype) -> Optional[Use]:
