@@ -129,8 +129,9 @@ def oracle_per_example(losses_fn: Callable, model, *args, float64: bool = True, 
         # An NNX model that writes its state (nnx.BatchNorm in training mode) may only do so
         # at the level of the trace its Variables were made at: make them from traced values.
         losses_of = jax.jit(losses_of)
-    losses = losses_of(diff, rest)
-    grads = jax.jacrev(losses_of)(diff, rest)
+    # The losses come out of jacrev's own forward pass (as aux): under an outer jax.jvp a second,
+    # plain forward call would meet a custom_vjp in forward mode, which JAX refuses.
+    grads, losses = jax.jacrev(lambda d, r: (losses_of(d, r),) * 2, has_aux=True)(diff, rest)
     b = losses.shape[0]
     sq = jax.tree.map(lambda g: jnp.sum(jnp.square(g).reshape(b, -1), axis=1), grads)
     total = sum(jax.tree.leaves(sq), jnp.zeros((b,), losses.dtype))

@@ -22,7 +22,8 @@ squared norms, their total, and ``sum_i min(1, C/|g_i|) g_i`` follow from it. Th
 equal it to 1e-10 relative, under ``eqx.filter_jit``/``nnx.jit`` and without. For an
 interacting class the answer may also be a ``jt.TagError`` whose message names the mixing of
 examples; never a different number. ``test_composition`` puts ``jax.jit``, ``jax.grad`` (of the
-summed norms, and of the clipped sum) and ``jax.checkpoint`` around the transforms.
+summed norms, and of the clipped sum), ``jax.checkpoint``, ``jax.vmap`` (over two parameter sets and
+two batches at once) and ``jax.jvp`` around the transforms.
 
 Classes the current implementation gets wrong are in ``KNOWN_FAILING``: their tests skip
 with that reason (empty the set as fixes land; each class's docstring in ``CLASSES`` says
@@ -146,7 +147,7 @@ CLASSES = {
         variants=("vmap_vjp", "vmap_jvp", "relu_softmax", "clip"),
     ),
 }
-COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint")
+COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint", "vmap", "jvp")
 
 # Classes ("name") or variants ("name:variant") known to fail: not drawn, their tests skip
 # (``JAXTRACE_RUN_KNOWN_FAILING=1`` draws them anyway). Reverting the proof-based rewrite of
@@ -915,7 +916,14 @@ COMPOSE_BASE = ("batched", "uncovered_array", "custom_module", "repeated", "posi
 # Each composition's first draw (the quick profile's only one): the custom-rule classes under jax.grad and
 # checkpoint, where a rule that mixes the examples in its derivative alone must take the exact path
 # (the definition) inside and around, and a rule that keeps them apart stays on factors.
-COMPOSE_FIRST = {"jit": "batched", "grad_norms": "custom_rule_mixing", "grad_clipped": "custom_rule_per_example", "checkpoint": "custom_rule_mixing"}
+COMPOSE_FIRST = {
+    "jit": "batched",
+    "grad_norms": "custom_rule_mixing",
+    "grad_clipped": "custom_rule_per_example",
+    "checkpoint": "custom_rule_mixing",
+    "vmap": "indexed_table",
+    "jvp": "custom_rule_mixing",
+}
 
 
 def check_composition(around, p: Prog):
@@ -937,6 +945,35 @@ def check_composition(around, p: Prog):
         ours = jax.grad(lambda d: jnp.sum(jt.per_example_norms(fun, total=True)(rebuild(d), *args, **kwargs)[1]))(diff)
         expected = jax.grad(lambda d: jnp.sum(oracle_per_example(fun, rebuild(d), *args, **kwargs).total))(diff)
         close(ours, expected, "jax.grad of the summed norms")
+    elif around == "vmap":
+        # two lanes that differ: the parameters scaled, the float arguments too (ids as they are)
+        lanes = (diff, jax.tree.map(lambda a: a * 0.75, diff))
+        lane_args = (args, jax.tree.map(lambda a: a * 1.25 if jnp.issubdtype(a.dtype, jnp.floating) else a, args))
+        stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)  # noqa: E731
+
+        def both(d, a):
+            model = rebuild(d)
+            return jt.per_example_norms(fun)(model, *a, **kwargs)[1], jt.clipped_grad(fun, c)(model, *a, **kwargs)[1]
+
+        sq, clipped = jax.vmap(both)(stack(lanes), stack(lane_args))
+        refs = [oracle_per_example(fun, rebuild(d), *a, **kwargs) for d, a in zip(lanes, lane_args)]
+        close(sq, stack([r.sq_norms for r in refs]), "jax.vmap(per_example_norms) over parameters and batches")
+        close(clipped, stack([r.clipped(c) for r in refs]), "jax.vmap(clipped_grad) over parameters and batches")
+    elif around == "jvp":
+        probe = jax.tree.map(lambda a: jnp.sin(1.0 + jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), diff)
+        dot = lambda g: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(probe)))  # noqa: E731
+
+        def ours(d):
+            total = jt.per_example_norms(fun, total=True)(rebuild(d), *args, **kwargs)[1]
+            return total, dot(jt.clipped_grad(fun, c)(rebuild(d), *args, **kwargs)[1])
+
+        def definition(d):
+            ref = oracle_per_example(fun, rebuild(d), *args, **kwargs)
+            return ref.total, dot(ref.clipped(c))
+
+        _, tangent = jax.jvp(ours, (diff,), (probe,))
+        _, expected = jax.jvp(definition, (diff,), (probe,))
+        close(tangent, expected, "jax.jvp of the total norms and of a projection of the clipped sum")
     elif around == "grad_clipped":
         probe = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), diff)
         dot = lambda g: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(probe)))  # noqa: E731
@@ -947,7 +984,7 @@ def check_composition(around, p: Prog):
 
 @pytest.mark.parametrize("around", COMPOSITIONS)
 def test_composition(around):
-    """jax.jit, jax.grad and jax.checkpoint around the transforms, on classes that are exact (the custom-rule
+    """jax.jit, jax.grad, jax.checkpoint, jax.vmap and jax.jvp around the transforms, on classes that are exact (the custom-rule
     classes too: a rule mixing the examples in its derivative takes the exact path, the definition, under each)."""
     _skip_known(f"compose_{around}")
     base = [c for c in COMPOSE_BASE if active_variants(c)]
