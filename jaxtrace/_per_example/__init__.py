@@ -25,8 +25,11 @@ both frameworks), ``_plan`` (the model's differentiated leaves and which layer u
 one plan, a small adapter per framework), ``_owners`` (which example's loss each
 element reaches: the per-primitive rules), ``_proof`` (the factorisation's conditions read
 from the traced program), ``_reads`` (leaves read by one primitive outside any layer:
-``table[ids]``, ``table[:n]``, ``h @ W.T``), ``_uses`` (leaves used outside their layers), ``_pass`` (the one
-pass and the norms from it), ``_transforms`` (the public functions).
+``table[ids]``, ``table[:n]``, ``h @ W.T``), ``_uses`` (leaves used outside their layers), ``_meetings``
+(the program replayed with a tag where a shared value meets the examples, and each example's gradient
+back from it), ``_conv`` (a convolution's per-example gradient), ``_leaf_sums`` (a leaf's norm and
+weighted sum from its uses, scan steps included), ``_pass`` (the one pass and the norms from it),
+``_transforms`` (the public functions).
 """
 
 from ._transforms import clip_weights as clip_weights

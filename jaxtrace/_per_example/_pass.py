@@ -4,7 +4,7 @@
 per-example gradients (``_proof``: independent examples, the weight is the leaf, the
 example axis of each layer's output), runs one pass that gives every covered layer's input
 and output gradient (and those of each leaf read by one primitive, ``_reads``, and where a
-leaf used as it is meets the examples), and turns the factors of each leaf's uses into
+leaf used as it is meets the examples: ``_meetings``), and turns the factors of each leaf's uses into
 per-leaf squared norms or, weighted per example, into the clipped sum. Every other leaf (no rule, used outside
 its layers, transformed before its layer, examples not proven apart at its layer, its layer
 called inside a custom derivative rule's function) takes
@@ -20,14 +20,13 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, _equation_params, _higher_order
+from .. import _compat, _higher_order
 from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
-from .._splice import bind_equation
-from .._tag import tag as _tag
 from ._factors import Use, examples_first
-from ._leaf_sums import sq_norm, weighted_sum
+from ._leaf_sums import sq_norm, step_module, weighted_sum
+from ._meetings import Replay, shared_gradient
 from ._plan import plan_for
 from ._owners import Every
 from ._proof import prove
@@ -121,7 +120,9 @@ class Call:
         # use meets the examples: each example's gradient is the cotangent of its broadcast there
         self.whole = {n: i for n, i in whole.items() if n in self.shared_names}
         names |= set(self.reads) | {n + INPUT_SUFFIX for n in self.reads}
-        run = self._run_program if self.proof.shared or self.reads else self._traced
+        run = self._traced  # the program again, with tags at the meetings and reads where there are any:
+        if self.proof.shared or self.reads:
+            run = Replay(self.jaxpr, self.consts, self._out_tree, self.proof, self.batch, self.shared_names, self.reads)
         self.losses, self.pullback, (self.aux, self.state), self.values = _vjp(
             lambda leaves: _losses_first(run(leaves), has_aux), plan.leaves, with_values=True, has_aux=True,
             tags=lambda n: n in names,
@@ -153,52 +154,6 @@ class Call:
         args[self.argnums] = model_fn(leaves)
         return self.fun(*args, **self.kwargs)
 
-    def _run_program(self, leaves):
-        """The traced program, with each shared layer output tagged where it meets the examples (the
-        calls that hold such a place run inline, so that the tag sits at it)."""
-        at, inline = {}, set()
-        for uses in self.shared_names.values():
-            for name, use in uses:
-                ids = tuple(map(id, use.ctx))
-                at[(*ids, id(use.eqn), use.index)] = name
-                inline.update(ids[: k + 1] for k in range(len(ids)))
-        for name, read in self.reads.items():
-            ids = tuple(map(id, read.ctx))
-            at[("read", *ids, id(read.eqn))] = name
-            inline.update(ids[: k + 1] for k in range(len(ids)))
-        outs = self._run_jaxpr(self.jaxpr, self.consts, leaves, (), at, inline)
-        return jax.tree_util.tree_unflatten(self._out_tree, outs)
-
-    def _run_jaxpr(self, jaxpr, consts, args, ctx: tuple, at: dict, inline: set) -> list:
-        env: dict = {}
-        for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
-            _compat.write(env, v, x)
-        ids = tuple(map(id, ctx))
-        for eqn in jaxpr.eqns:
-            ins = [_compat.read(env, a) for a in eqn.invars]
-            key = (*ids, id(eqn))
-            met = [(i, at[(*key, i)]) for i in range(len(ins)) if (*key, i) in at]
-            if key in inline:  # a jit or checkpoint body holding a meeting: run it here
-                body, body_consts = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
-                outs = self._run_jaxpr(body, body_consts, ins, (*ctx, eqn), at, inline)
-            elif met and eqn.primitive.name == "dot_general":
-                ((i, name),) = met
-                outs = [self._dot_per_example(eqn, ins, i, name, ctx)]
-            elif ("read", *key) in at:  # a leaf read outside its layers: its operand and output
-                name = at[("read", *key)]
-                other = self.reads[name].other
-                if other is not None:
-                    ins[other] = _tag(ins[other], name + INPUT_SUFFIX)
-                (out,) = bind_equation(eqn, ins)
-                outs = [out if name in self.shared_names else _tag(out, name)]  # shared: tagged where it meets the examples
-            else:
-                for i, name in met:
-                    ins[i] = _tag(jnp.broadcast_to(ins[i], eqn.outvars[0].aval.shape), name)
-                outs = bind_equation(eqn, ins)
-            for v, x in zip(eqn.outvars, outs):
-                _compat.write(env, v, x)
-        return [_compat.read(env, a) for a in jaxpr.outvars]
-
     @functools.cached_property
     def _dtypes(self) -> list:
         return [_compute_dtype(jnp.result_type(leaf)) for leaf in self.plan.leaves]
@@ -220,7 +175,7 @@ class Call:
                 return None, "a layer applied to a value shared by every example is called once only"
             use_g = 0.0
             for name, use in self.shared_names[layer.path]:
-                use_g = use_g + self._shared_gradient(tag_cts[name], use, g.shape)
+                use_g = use_g + shared_gradient(tag_cts[name], use, g.shape, self.proof, self.batch)
             return (jnp.broadcast_to(x, (self.batch, *x.shape)), use_g, (0, 1)), None
         where = self.proof.example_axis(layer.path, g.ndim, self.batch)
         if where is None:
@@ -234,58 +189,6 @@ class Call:
                 f" ({_compat.construct(why.eqn)})" if isinstance(why, Every) and why.eqn is not None else ""
             )
         return (x, g, where), None
-
-    def _dot_per_example(self, eqn, ins, index, name, ctx):
-        """``eqn`` (a ``dot_general`` whose operand ``index`` is shared and whose other operand's free
-        axis is the examples') with the shared operand broadcast along a new batch axis, one copy per
-        example, tagged ``name``: the same product, and the tag's cotangent is each example's."""
-        axis, _ = self.proof.axis_at(eqn.outvars[0], self.batch, ctx)
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        lhs, rhs = ins
-        lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
-        rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
-        up = lambda dims: tuple(int(d) + 1 for d in dims)  # noqa: E731
-        if index == 1:  # the examples' axis is a free axis of lhs
-            e = lfree[axis - len(lb)]
-            rhs = _tag(jnp.broadcast_to(rhs, (self.batch, *rhs.shape)), name)
-            dims = ((tuple(lc), up(rc)), ((*lb, e), (*up(rb), 0)))
-        else:  # ... of rhs
-            e = rfree[axis - len(lb) - len(lfree)]
-            lhs = _tag(jnp.broadcast_to(lhs, (self.batch, *lhs.shape)), name)
-            dims = ((up(lc), tuple(rc)), ((*up(lb), 0), (*rb, e)))
-        out = jax.lax.dot_general(
-            lhs, rhs, dims, precision=eqn.params.get("precision"), preferred_element_type=eqn.params.get("preferred_element_type")
-        )  # the examples' axis comes right after lb's batch axes: move it back where eqn has it
-        return jnp.moveaxis(out, len(lb), axis)
-
-    def _shared_gradient(self, ct, use, shape):
-        """Each example's gradient ``(B, *shape)`` at a shared layer output from the cotangent of its
-        broadcast where it meets the examples (``use``)."""
-        axis, _ = self.proof.axis_at(use.eqn.outvars[0], self.batch, use.ctx)
-        chain = use.chain
-
-        def forward(y):
-            for eqn in chain:
-                (y,) = bind_equation(eqn, [y])
-            return y
-
-        operand_aval = use.eqn.invars[use.index].aval
-        back = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, operand_aval.dtype if not chain else chain[0].invars[0].aval.dtype))
-        if use.eqn.primitive.name == "dot_general":  # (B, *operand): each example's cotangent already
-            return jax.vmap(lambda c: back(c.astype(operand_aval.dtype))[0])(ct)
-        ct = jnp.moveaxis(ct, axis, 0)  # (B, ...): one example's cotangent each, of the broadcast shape
-
-        def one(c):
-            c = jnp.expand_dims(c, axis)
-            op_shape = operand_aval.shape
-            if len(op_shape) != c.ndim:  # a scalar operand
-                c = jnp.sum(c).reshape(op_shape)
-            else:
-                summed = tuple(i for i, (s, t) in enumerate(zip(op_shape, c.shape)) if s == 1 and t != 1)
-                c = jnp.sum(c, axis=summed, keepdims=True)
-            return back(c.astype(operand_aval.dtype))[0]
-
-        return jax.vmap(one)(ct)
 
     @functools.cached_property
     def _factors(self) -> tuple[dict, set, list, dict]:
@@ -336,7 +239,7 @@ class Call:
                     for a in stepped:
                         why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in nested loops or called twice a step"
                     continue
-                module = _step_module(layer.module, x.shape[0])
+                module = step_module(layer.module, x.shape[0])
                 per_step = jax.vmap(
                     lambda xs, gs: layer.rule.factors(
                         module, examples_first(xs, axis - 1, inner, n_lead - 1), examples_first(gs.astype(dt), axis - 1, inner, n_lead - 1)
@@ -359,7 +262,7 @@ class Call:
             use = None
             if name in self.shared_names:  # each example's gradient where the shared output meets it
                 out_shape = read.eqn.outvars[0].aval.shape
-                g = sum(self._shared_gradient(tag_cts[n], u, out_shape) for n, u in self.shared_names[name])
+                g = sum(shared_gradient(tag_cts[n], u, out_shape, self.proof, self.batch) for n, u in self.shared_names[name])
                 use = read.shared_factors(x, g, jnp.promote_types(dtypes[i], _compute_dtype(g.dtype)))
             elif read.other is None or isinstance(x, jax.Array):
                 g = tag_cts.get(name)
@@ -373,7 +276,7 @@ class Call:
             cut_reads[(*map(id, read.ctx), id(read.eqn))] = (read.operand, i)
         for name, i in self.whole.items():
             shape = jnp.shape(plan.leaves[i])
-            g = sum(self._shared_gradient(tag_cts[n], u, shape) for n, u in self.shared_names[name])
+            g = sum(shared_gradient(tag_cts[n], u, shape, self.proof, self.batch) for n, u in self.shared_names[name])
             uses.setdefault(i, []).append(Use(g.reshape(self.batch, 1, -1).astype(dtypes[i]), None))
         outside = used_outside(self.jaxpr, len(plan.leaves), owned, cut_reads, set(self.whole.values()))
         for i in outside:
@@ -411,7 +314,7 @@ class Call:
         out = []
         for i in range(len(self.plan.leaves)):
             if i in uses:
-                out.append(_sq_norm(uses[i], dtypes[i]).astype(dtypes[i]))
+                out.append(sq_norm(uses[i], dtypes[i]).astype(dtypes[i]))
             elif i in zero:
                 out.append(jnp.zeros(self.batch, dtypes[i]))
             else:
@@ -432,7 +335,7 @@ class Call:
         out = []
         for i, leaf in enumerate(leaves):
             if i in uses:
-                g = _weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i])
+                g = weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i])
             elif i in zero:
                 g = jnp.zeros(jnp.shape(leaf), dtypes[i])
             else:
@@ -515,30 +418,3 @@ def _losses_first(out, has_aux):
     """``(losses, (aux, state))`` from ``(fun's output, state)``."""
     value, state = out
     return (value[0], (value[1], state)) if has_aux else (value, (None, state))
-
-
-def _step_module(module, steps: int):
-    """One step's module of a layer stacked for ``lax.scan`` (its arrays with a leading ``steps`` axis)."""
-    return jax.tree_util.tree_map(
-        lambda a: a[0] if isinstance(a, jax.Array) and a.ndim >= 1 and a.shape[0] == steps else a, module
-    )
-
-
-def _sq_norm(uses: list, dtype) -> jax.Array:
-    """``sq_norm`` where some uses are one slice per scan step (``("steps", Use)``): no cross terms
-    between steps, since each step's slice is a parameter of its own."""
-    whole = [u for u in uses if not isinstance(u, tuple)]
-    steps = [u[1] for u in uses if isinstance(u, tuple)]
-    total = sq_norm(whole, dtype) if whole else 0.0
-    if steps:
-        total = total + jnp.sum(jax.vmap(lambda us: sq_norm(us, dtype))(steps), axis=0)
-    return total
-
-
-def _weighted_sum(uses: list, weights, shape: tuple, dtype) -> jax.Array:
-    whole = [u for u in uses if not isinstance(u, tuple)]
-    steps = [u[1] for u in uses if isinstance(u, tuple)]
-    if not steps:
-        return weighted_sum(whole, weights, shape, dtype)
-    per_step = jax.vmap(lambda us: weighted_sum(us, weights, shape[1:], dtype))(steps)
-    return jnp.reshape(per_step, shape)

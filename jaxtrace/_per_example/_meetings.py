@@ -1,0 +1,142 @@
+"""Where a value shared by every example meets the examples: a tag there, and each example's gradient back.
+
+A position table, a layer applied to ``arange(T)``'s embedding, a bias added as it is: one value
+that every example reads. Its gradient is the sum of the examples', so the tag that gives each
+example's own has to sit where the value meets the examples (``_proof.shared_uses`` finds those
+places). ``Replay`` runs the traced program again with that tag at each meeting, broadcast to
+the examples' shape (in a matrix product: the shared operand copied along a new batch axis),
+and a tag at each read the read rules (``_reads``) cover. ``shared_gradient`` turns the
+cotangent of such a broadcast back into each example's gradient at the shared value.
+
+Example (the program of ``h + b``, ``b`` shared, meets the examples at the ``add``)::
+
+    replay = Replay(jaxpr, consts, out_tree, proof, batch, {"b:whole": [("b:whole:shared:0", use)]}, {})
+    out = replay(leaves)  # as the program, with the tag "b:whole:shared:0" on the broadcast b
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .. import _compat, _equation_params
+from .._module_tags import INPUT_SUFFIX
+from .._splice import bind_equation
+from .._tag import tag as _tag
+
+__all__ = ["Replay", "shared_gradient"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """The traced program (``jaxpr``, ``consts``; outputs unflattened with ``out_tree``) run with a
+    tag at each meeting (``shared_names``: ``{path: [(tag name, _proof.SharedUse)]}``) and each
+    proven read (``reads``: ``{tag name: _reads.Read}``). The calls that hold such a place run
+    inline, so that the tag sits at it."""
+
+    jaxpr: object
+    consts: list
+    out_tree: object
+    proof: object
+    batch: int
+    shared_names: dict
+    reads: dict
+
+    def __call__(self, leaves):
+        at, inline = {}, set()
+        for uses in self.shared_names.values():
+            for name, use in uses:
+                ids = tuple(map(id, use.ctx))
+                at[(*ids, id(use.eqn), use.index)] = name
+                inline.update(ids[: k + 1] for k in range(len(ids)))
+        for name, read in self.reads.items():
+            ids = tuple(map(id, read.ctx))
+            at[("read", *ids, id(read.eqn))] = name
+            inline.update(ids[: k + 1] for k in range(len(ids)))
+        outs = self._run(self.jaxpr, self.consts, leaves, (), at, inline)
+        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+    def _run(self, jaxpr, consts, args, ctx: tuple, at: dict, inline: set) -> list:
+        env: dict = {}
+        for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
+            _compat.write(env, v, x)
+        ids = tuple(map(id, ctx))
+        for eqn in jaxpr.eqns:
+            ins = [_compat.read(env, a) for a in eqn.invars]
+            key = (*ids, id(eqn))
+            met = [(i, at[(*key, i)]) for i in range(len(ins)) if (*key, i) in at]
+            if key in inline:  # a jit or checkpoint body holding a meeting: run it here
+                body, body_consts = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
+                outs = self._run(body, body_consts, ins, (*ctx, eqn), at, inline)
+            elif met and eqn.primitive.name == "dot_general":
+                ((i, name),) = met
+                outs = [self._dot_per_example(eqn, ins, i, name, ctx)]
+            elif ("read", *key) in at:  # a leaf read outside its layers: its operand and output
+                name = at[("read", *key)]
+                other = self.reads[name].other
+                if other is not None:
+                    ins[other] = _tag(ins[other], name + INPUT_SUFFIX)
+                (out,) = bind_equation(eqn, ins)
+                outs = [out if name in self.shared_names else _tag(out, name)]  # shared: tagged where it meets the examples
+            else:
+                for i, name in met:
+                    ins[i] = _tag(jnp.broadcast_to(ins[i], eqn.outvars[0].aval.shape), name)
+                outs = bind_equation(eqn, ins)
+            for v, x in zip(eqn.outvars, outs):
+                _compat.write(env, v, x)
+        return [_compat.read(env, a) for a in jaxpr.outvars]
+
+    def _dot_per_example(self, eqn, ins, index, name, ctx):
+        """``eqn`` (a ``dot_general`` whose operand ``index`` is shared and whose other operand's free
+        axis is the examples') with the shared operand broadcast along a new batch axis, one copy per
+        example, tagged ``name``: the same product, and the tag's cotangent is each example's."""
+        axis, _ = self.proof.axis_at(eqn.outvars[0], self.batch, ctx)
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = ins
+        lfree = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+        rfree = [d for d in range(rhs.ndim) if d not in rc and d not in rb]
+        up = lambda dims: tuple(int(d) + 1 for d in dims)  # noqa: E731
+        if index == 1:  # the examples' axis is a free axis of lhs
+            e = lfree[axis - len(lb)]
+            rhs = _tag(jnp.broadcast_to(rhs, (self.batch, *rhs.shape)), name)
+            dims = ((tuple(lc), up(rc)), ((*lb, e), (*up(rb), 0)))
+        else:  # ... of rhs
+            e = rfree[axis - len(lb) - len(lfree)]
+            lhs = _tag(jnp.broadcast_to(lhs, (self.batch, *lhs.shape)), name)
+            dims = ((up(lc), tuple(rc)), ((*up(lb), 0), (*rb, e)))
+        out = jax.lax.dot_general(
+            lhs, rhs, dims, precision=eqn.params.get("precision"), preferred_element_type=eqn.params.get("preferred_element_type")
+        )  # the examples' axis comes right after lb's batch axes: move it back where eqn has it
+        return jnp.moveaxis(out, len(lb), axis)
+
+
+def shared_gradient(ct, use, shape, proof, batch: int):
+    """Each example's gradient ``(batch, *shape)`` at a shared value from the cotangent ``ct`` of its
+    broadcast where it meets the examples (``use``, a ``_proof.SharedUse``)."""
+    axis, _ = proof.axis_at(use.eqn.outvars[0], batch, use.ctx)
+    chain = use.chain
+
+    def forward(y):
+        for eqn in chain:
+            (y,) = bind_equation(eqn, [y])
+        return y
+
+    operand_aval = use.eqn.invars[use.index].aval
+    back = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, operand_aval.dtype if not chain else chain[0].invars[0].aval.dtype))
+    if use.eqn.primitive.name == "dot_general":  # (B, *operand): each example's cotangent already
+        return jax.vmap(lambda c: back(c.astype(operand_aval.dtype))[0])(ct)
+    ct = jnp.moveaxis(ct, axis, 0)  # (B, ...): one example's cotangent each, of the broadcast shape
+
+    def one(c):
+        c = jnp.expand_dims(c, axis)
+        op_shape = operand_aval.shape
+        if len(op_shape) != c.ndim:  # a scalar operand
+            c = jnp.sum(c).reshape(op_shape)
+        else:
+            summed = tuple(i for i, (s, t) in enumerate(zip(op_shape, c.shape)) if s == 1 and t != 1)
+            c = jnp.sum(c, axis=summed, keepdims=True)
+        return back(c.astype(operand_aval.dtype))[0]
+
+    return jax.vmap(one)(ct)
