@@ -1,14 +1,16 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,dwcnn,port]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,dwcnn,port,stacked]
 
-For five equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+For six equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
 32x32x3 images, each with a 2x2 max pool, batch 64; a MobileNet-style CNN of the same widths whose
 blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-2 port of
 ``examples/hf_gpt2_port.py`` at the transformer's sizes, which reads its token table as
 ``wte.weight[ids]``, its position table as ``wpe.weight[:T]`` and ties its head as
-``h @ wte.weight.T``) it compiles, side by side:
+``h @ wte.weight.T``; a stack of 4 residual MLP blocks held as raw ``(4, d, 4d)`` and ``(4, 4d, d)``
+arrays and run with ``lax.scan``, at the transformer's sizes, as hand-written deep models are) it
+compiles, side by side:
 
 - ``vmap(grad)`` + norms: ``jax.vmap(eqx.filter_grad(one_example_loss))`` then each leaf's
   squared norm (what one writes today), and the same with the clipped sum (DP-SGD);
@@ -113,6 +115,30 @@ class Transformer(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.ln)(h))
 
 
+class Stacked(eqx.Module):
+    """Token table, 4 residual MLP blocks stacked as raw arrays and run with ``lax.scan``, a head."""
+
+    embed: jax.Array
+    up: jax.Array
+    down: jax.Array
+    head: jax.Array
+
+    def __init__(self, vocab, d, layers, key):
+        k = jax.random.split(key, 4)
+        self.embed = jax.random.normal(k[0], (vocab, d)) * 0.02
+        self.up = jax.random.normal(k[1], (layers, d, 4 * d)) / jnp.sqrt(d)
+        self.down = jax.random.normal(k[2], (layers, 4 * d, d)) / jnp.sqrt(4 * d)
+        self.head = jax.random.normal(k[3], (d, vocab)) / jnp.sqrt(d)
+
+    def __call__(self, ids):
+        def block(h, w):
+            up, down = w
+            return h + jax.nn.gelu(h @ up) @ down, None
+
+        h, _ = jax.lax.scan(block, self.embed[ids], (self.up, self.down))
+        return h @ self.head
+
+
 def gpt2_port(vocab, d, heads, layers, positions, key):
     """The port of ``examples/hf_gpt2_port.py`` (its code, float32), from a config of these sizes."""
     import importlib.util
@@ -212,7 +238,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn,dwcnn,port", help="comma-separated: mlp,transformer,cnn,dwcnn,port")
+    parser.add_argument("--models", default="mlp,transformer,cnn,dwcnn,port,stacked",
+                        help="comma-separated: mlp,transformer,cnn,dwcnn,port,stacked")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -233,6 +260,7 @@ def main():
     yc = jax.random.randint(key, (cb,), 0, 10)
     dw = DepthwiseCNN(image, channels, 10, key)
     port = gpt2_port(512, d, 4, 2, t, key) if "port" in which else None
+    stacked = Stacked(512, d, 4, key)
     print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}; "
           f"CNN: {image}x{image}x3, conv {channels}, batch {cb}; depthwise CNN: the same, depthwise + pointwise blocks\n")
     print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) | x filter_grad |")
@@ -240,7 +268,8 @@ def main():
     rel = {}
     for name, m, b, f in (("MLP", mlp, (x, y), mlp_losses), ("transformer", lm, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("CNN", cnn, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses),
-                          ("port", port, (ids, jnp.roll(ids, 1, axis=1)), lm_losses)):
+                          ("port", port, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
+                          ("stacked", stacked, (ids, jnp.roll(ids, 1, axis=1)), lm_losses)):
         if name.lower() in which:
             rows, rel[name] = measure(name, m, b, f, rounds)
             print("\n".join(rows))

@@ -7,8 +7,8 @@ Hypothesis draws a program: an equinox or Flax NNX model built from covered laye
 uncovered ones (a raw parameter added, multiplied or matmul'd; a custom module), and a
 *class*: how a DP-SGD user calls it (``jax.vmap(model)``, position ids ``arange(T)`` into an
 Embedding inside the model, a learned ``(T, d)`` table, a layer called twice or at two
-shapes, a ``lax.scan`` over a ``filter_vmap``-built stack, ``jax.checkpoint``/``filter_jit``
-inside, ties, transformed weights, freezing with ``eqx.partition`` (a norm's scale or bias alone too),
+shapes, a ``lax.scan`` over a ``filter_vmap``-built stack or over raw stacked arrays,
+``jax.checkpoint``/``filter_jit`` inside, tables read by indexing, ties, transformed weights, freezing with ``eqx.partition`` (a norm's scale or bias alone too),
 negative ids, mixed dtypes, batch layouts, custom derivative rules that mix the examples in their
 derivative alone or keep them apart) or an *interacting* reduction over the batch (centring, BatchNorm-like, in-batch
 contrastive, a second call of the model on a batch statistic of its first outputs or on another
@@ -111,6 +111,13 @@ CLASSES = {
         "(h @ pos[:T].T), a tied head h @ table.T",
         variants=("ids", "negative", "take_fill", "take_clip", "slice", "arange", "slice_matmul", "tied_T"),
         inputs=("embed",),
+        factors=True,
+    ),
+    "scan_reads": Cls(
+        "layers stacked as raw (L, d, d) arrays and run with lax.scan over them, each step reading its slice in a "
+        "matrix product: h @ w, jnp.einsum, h @ w.T, inside a jit body, or the same stack scanned twice; or a raw "
+        "(d, d) weight the scan body closes over and reads at every step (a recurrent weight), beside the slice",
+        variants=("matmul", "einsum", "transposed", "jit", "two_scans", "recurrent"),
         factors=True,
     ),
     "negative_ids": Cls("Embedding ids in [-V, V), with -1 and V-1 in one example", inputs=("embed",)),
@@ -630,6 +637,27 @@ def b_indexed_table(kit, p):
     return Built(kit.model(parts, fn), lambda m, x, y: mse(kit.run(m, x), y), (x, y), {})
 
 
+def b_scan_reads(kit, p):
+    p = dataclasses.replace(p, raw=False)
+    product = {
+        "matmul": lambda h, w: h @ w,
+        "einsum": lambda h, w: jnp.einsum("...i,ij->...j", h, w),
+        "transposed": lambda h, w: h @ w.T,
+        "jit": jax.jit(lambda h, w: h @ w),
+        "two_scans": lambda h, w: h @ w,
+        "recurrent": lambda h, w: h @ w,
+    }[p.variant]
+
+    def middle(parts, h):
+        stack, rec = kit.val(parts["stack"]), kit.val(parts["rec"])
+        extra = (lambda h: h @ rec.T) if p.variant == "recurrent" else (lambda h: 0.0)  # noqa: E731
+        for _ in range(2 if p.variant == "two_scans" else 1):
+            h, _ = lax.scan(lambda h, w: (jnp.tanh(product(h, w) + extra(h)), None), h, stack)
+        return h
+
+    return standard(kit, p, {"stack": kit.param(kit.normal(p.T, p.d, p.d)), "rec": kit.param(kit.normal(p.d, p.d))}, middle)
+
+
 def b_negative_ids(kit, p):
     built = b_batched(kit, p)
     ids = jax.random.randint(kit.key(), (p.B, p.T), -V, V)
@@ -912,7 +940,10 @@ def test_known_failing_variant(entry):
     pytest.skip(f"{entry}: this variant is known to fail on the current implementation and is not drawn (KNOWN_FAILING; issue 33)")
 
 
-COMPOSE_BASE = ("batched", "uncovered_array", "custom_module", "repeated", "position_ids", "indexed_table", "custom_rule_mixing", "custom_rule_per_example")
+COMPOSE_BASE = (
+    "batched", "uncovered_array", "custom_module", "repeated", "position_ids", "indexed_table", "scan_reads",
+    "custom_rule_mixing", "custom_rule_per_example",
+)
 # Each composition's first draw (the quick profile's only one): the custom-rule classes under jax.grad and
 # checkpoint, where a rule that mixes the examples in its derivative alone must take the exact path
 # (the definition) inside and around, and a rule that keeps them apart stays on factors.

@@ -143,8 +143,114 @@ def test_reads_inside_checkpoint_are_on_factors():
     check(lambda m, i: jnp.sum(jax.vmap(m)(i) ** 2, axis=(1, 2)), model, ids_with_ends(), jit=True)
 
 
+class Stacked(eqx.Module):
+    """Layers stacked as raw arrays ``(L, D, D)`` and run with ``lax.scan`` over them, as hand-written
+    deep models are: each step reads its own slice in a product (``h @ w``, ``jnp.einsum``, ``h @ w.T``)."""
+
+    embed: jax.Array
+    w1: jax.Array
+    w2: jax.Array
+    head: jax.Array
+
+    def __init__(self, key, layers=3):
+        k = jax.random.split(key, 4)
+        self.embed, self.head = jax.random.normal(k[0], (V, D)), jax.random.normal(k[3], (D, V))
+        self.w1, self.w2 = (0.5 * jax.random.normal(kk, (layers, D, D)) for kk in k[1:3])
+
+    def __call__(self, ids):
+        def block(h, w):
+            w1, w2 = w
+            u = jnp.tanh(jnp.einsum("td,de->te", h, w1))
+            return h + jnp.tanh(u @ w2.T), None
+
+        h, _ = jax.lax.scan(block, self.embed[ids], (self.w1, self.w2))
+        return h @ self.head
+
+
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.long_eager), True])
+def test_layers_stacked_as_arrays_in_a_scan_are_on_factors(jit):
+    """Each scan step's slice of a stacked ``(L, D, D)`` leaf is a parameter of its own, read by a
+    product in the body: on factors, one slice per step, no cross terms between steps."""
+    check(lm_losses, Stacked(KEYS[0]), ids_with_ends() % V, jit=jit)
+
+
+class RawRNN(eqx.Module):
+    """A recurrent cell of raw arrays, closed over by the ``lax.scan`` body: ``W_xh``, ``W_hh`` (read
+    as ``W_hh.T`` too) and a stacked ``(2, D, D)`` pair the same scan also reads one slice of per step."""
+
+    w_xh: jax.Array
+    w_hh: jax.Array
+    head: jax.Array
+
+    def __call__(self, x):
+        def cell(h, x_t):
+            h = jnp.tanh(x_t @ self.w_xh + h @ self.w_hh + 0.5 * (h @ self.w_hh.T))
+            return h, h
+
+        _, hs = jax.lax.scan(cell, jnp.zeros(self.w_hh.shape[0]), x)
+        return hs @ self.head
+
+
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.long_eager), True])
+def test_a_recurrent_weight_closed_over_by_a_scan_is_on_factors(jit):
+    """A whole leaf read at every step of a scan (a recurrent weight): each step's factors are more
+    positions of the one leaf's, with the cross terms between steps (and between its two reads)."""
+    k = jax.random.split(KEYS[3], 4)
+    model = RawRNN(*(0.5 * jax.random.normal(kk, (D, D)) for kk in k[:3]))
+    x, y = jax.random.normal(k[3], (B, T, D)), jax.random.normal(KEYS[5], (B, T, D))
+    check(lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2, axis=(1, 2)), model, x, y, jit=jit)
+
+
+def test_stacked_reads_inside_vmap_jit_and_grad():
+    """The stacked reads under ``jax.vmap`` over two parameter sets (jaxtrace in the body), and
+    ``jax.grad`` of the summed norms against ``jax.grad`` of the definition's."""
+    model, ids = Stacked(KEYS[0], layers=2), ids_with_ends() % V
+    diff, static = eqx.partition(model, eqx.is_inexact_array)
+    two = jax.tree_util.tree_map(lambda a: jnp.stack([a, 0.8 * a]), diff)
+    norms = lambda d: jt.per_example_norms(lm_losses, total=True, fallback="error")(eqx.combine(d, static), ids)[1]  # noqa: E731
+    reference = lambda d: sum(jax.tree_util.tree_leaves(definition(lm_losses, eqx.combine(d, static), ids)[0]))  # noqa: E731
+    np.testing.assert_allclose(jax.jit(jax.vmap(norms))(two), jax.vmap(reference)(two), rtol=1e-10)
+    ours = jax.grad(lambda d: jnp.sum(norms(d)))(diff)
+    expected = jax.grad(lambda d: jnp.sum(reference(d)))(diff)
+    for a, e in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(expected), strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
+
+
+def test_stacked_reads_the_rules_do_not_cover_keep_the_exact_path():
+    """A scan in reverse, a stack the body closes over and indexes (its rows: the same for every
+    example), a slice also added as it is, a scan nested in a scan: exact, and ``fallback="error"``
+    names each leaf; the others stay on factors."""
+
+    class Loops(eqx.Module):
+        ok: jax.Array  # read per step: factors
+        rev: jax.Array  # a reversed scan
+        closed: jax.Array  # closed over and indexed by the step
+        added: jax.Array  # read per step, and its slice added as it is
+        nested: jax.Array  # (L, L, D, D) read in an inner scan
+
+        def __call__(self, x):
+            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, self.ok)
+            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, self.rev, reverse=True)
+            h, _ = jax.lax.scan(lambda h, i: (jnp.tanh(h @ self.closed[i]), None), h, jnp.arange(2))
+            h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) + w[0], None), h, self.added)
+            inner = lambda h, ws: (jax.lax.scan(lambda g, w: (jnp.tanh(g @ w), None), h, ws)[0], None)  # noqa: E731
+            h, _ = jax.lax.scan(inner, h, self.nested)
+            return h
+
+    k = jax.random.split(KEYS[6], 5)
+    model = Loops(*(0.5 * jax.random.normal(kk, (2, D, D)) for kk in k[:4]), 0.5 * jax.random.normal(k[4], (2, 2, D, D)))
+    x = jax.random.normal(KEYS[7], (B, T, D))
+    losses = lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2, axis=(1, 2))  # noqa: E731
+    check(losses, model, x, jit=True, on_factors=False)
+    with pytest.raises(jt.TagError) as info:
+        jt.per_example_norms(losses, fallback="error")(model, x)
+    for name in ("'rev'", "'closed'", "'added'", "'nested'"):
+        assert name in str(info.value)
+    assert "'ok'" not in str(info.value)
+
+
 def test_reads_the_rules_do_not_cover_keep_the_exact_path():
-    """A read in a ``lax.scan`` body, a read of a transformed matrix, a shared read inside a ``jit``
+    """A read in a ``lax.scan`` body (a whole leaf indexed), a read of a transformed matrix, a shared read inside a ``jit``
     body, a matrix read twice in one product and rows of a transpose: exact, and
     ``fallback="error"`` names each."""
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HIGHEST", "Index", "Use", "examples_first", "sq_norm", "weighted_sum"]
+__all__ = ["HIGHEST", "Index", "Use", "examples_first", "positions_over_steps", "sq_norm", "weighted_sum"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -61,6 +61,12 @@ def examples_first(x, axis: int, inner: int, n_lead: int) -> jax.Array:
     x = x.reshape(*shape[:axis], shape[axis] // inner, inner, *shape[axis + 1 :])
     x = jnp.moveaxis(x, axis, 0)
     return x.reshape(x.shape[0], -1, *x.shape[n_lead + 1 :])
+
+
+def positions_over_steps(use: Use) -> Use:
+    """One ``Use`` from a ``Use`` per loop step (each array with a leading steps axis ``S``): the
+    steps' positions side by side, ``(B, S * K, ...)``, as one use of the leaf read at every step."""
+    return jax.tree_util.tree_map(lambda t: jnp.moveaxis(t, 0, 1).reshape(t.shape[1], -1, *t.shape[3:]), use)
 
 
 def _k(f) -> int:

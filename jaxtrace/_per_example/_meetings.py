@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, _equation_params
+from .. import _compat, _equation_params, _higher_order
 from .._module_tags import INPUT_SUFFIX
 from .._splice import bind_equation
 from .._tag import tag as _tag
@@ -33,8 +33,9 @@ __all__ = ["Replay", "shared_gradient"]
 class Replay:
     """The traced program (``jaxpr``, ``consts``; outputs unflattened with ``out_tree``) run with a
     tag at each meeting (``shared_names``: ``{path: [(tag name, _proof.SharedUse)]}``) and each
-    proven read (``reads``: ``{tag name: _reads.Read}``). The calls that hold such a place run
-    inline, so that the tag sits at it."""
+    proven read (``reads``: ``{tag name: _reads.Read}``). The ``jit`` and ``checkpoint`` calls that
+    hold such a place run inline, so that the tag sits at it; a ``lax.scan`` whose body holds a read
+    runs as a scan again, its body replayed (the tag's values stack one per step)."""
 
     jaxpr: object
     consts: list
@@ -67,7 +68,9 @@ class Replay:
             ins = [_compat.read(env, a) for a in eqn.invars]
             key = (*ids, id(eqn))
             met = [(i, at[(*key, i)]) for i in range(len(ins)) if (*key, i) in at]
-            if key in inline:  # a jit or checkpoint body holding a meeting: run it here
+            if key in inline and _higher_order.kind(eqn) == _higher_order.SCAN:  # a scan over a leaf read per step
+                outs = self._scan(eqn, ins, ctx, at, inline)
+            elif key in inline:  # a jit or checkpoint body holding a meeting or a read: run it here
                 body, body_consts = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
                 outs = self._run(body, body_consts, ins, (*ctx, eqn), at, inline)
             elif met and eqn.primitive.name == "dot_general":
@@ -87,6 +90,20 @@ class Replay:
             for v, x in zip(eqn.outvars, outs):
                 _compat.write(env, v, x)
         return [_compat.read(env, a) for a in jaxpr.outvars]
+
+    def _scan(self, eqn, ins, ctx, at: dict, inline: set) -> list:
+        """``eqn`` (a ``lax.scan``) run again with its body replayed: the tags in it stack one value per step."""
+        p = _equation_params.scan_params(eqn)
+        body, body_consts = _compat.jaxpr_and_consts(p.body)
+        k, c = p.num_consts, p.num_carry
+        consts = ins[:k]
+
+        def step(carry, xs):
+            outs = self._run(body, body_consts, [*consts, *carry, *xs], (*ctx, eqn), at, inline)
+            return outs[:c], outs[c:]
+
+        carry, ys = jax.lax.scan(step, ins[k : k + c], ins[k + c :], length=p.length, reverse=p.reverse, unroll=p.unroll)
+        return [*carry, *ys]
 
     def _dot_per_example(self, eqn, ins, index, name, ctx):
         """``eqn`` (a ``dot_general`` whose operand ``index`` is shared and whose other operand's free

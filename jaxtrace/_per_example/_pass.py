@@ -24,7 +24,7 @@ from .. import _compat, _higher_order
 from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
-from ._factors import Use, examples_first
+from ._factors import Use, examples_first, positions_over_steps
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
 from ._plan import plan_for
@@ -267,8 +267,13 @@ class Call:
             elif read.other is None or isinstance(x, jax.Array):
                 g = tag_cts.get(name)
                 axis, inner = self.proof.axis_at(read.eqn.outvars[0], self.batch, read.ctx)
-                if isinstance(g, jax.Array):
-                    use = read.factors(x, g, axis, inner, jnp.promote_types(dtypes[i], _compute_dtype(g.dtype)))
+                dt = jnp.promote_types(dtypes[i], _compute_dtype(g.dtype)) if isinstance(g, jax.Array) else None
+                if isinstance(g, jax.Array) and (read.stepped or read.repeated):  # in a scan: (steps, ...) values
+                    use = jax.vmap(lambda xs, gs: read.factors(xs, gs, axis, inner, dt))(x, g)
+                    if use is not None:  # a Use per step: of its own slice, or more positions of the whole leaf
+                        use = ("steps", use) if read.stepped else positions_over_steps(use)
+                elif isinstance(g, jax.Array):
+                    use = read.factors(x, g, axis, inner, dt)
             if use is None:
                 self.read_why.setdefault(i, f"its read {_compat.construct(read.eqn)} does not keep the examples on its own axes")
                 continue
@@ -283,12 +288,13 @@ class Call:
             if i in uses:
                 why[i] = self.read_why.get(i) or (
                     "it is also used outside its layers other than by a read the rules cover (a module no rule "
-                    "covers, a read in a loop body, an operation other than `table[ids]`, `table[:n]` or a matrix product)"
+                    "covers, a read of a whole leaf in a loop body, an operation other than `table[ids]`, `table[:n]` or a "
+                    "matrix product)"
                 )
             elif why[i] == _NO_RULE:
                 why[i] = self.read_why.get(i) or (
-                    f"{_NO_RULE}, and no read rule (`table[ids]`, `table[:n]`, a matrix product, outside loop bodies) "
-                    "covers how the program uses it"
+                    f"{_NO_RULE}, and no read rule (`table[ids]`, `table[:n]`, a matrix product, or one of these on "
+                    "a scan step's slice of a stacked leaf) covers how the program uses it"
                 )
         mixed = {i for i, us in uses.items() if len({isinstance(u, tuple) for u in us}) > 1}
         for i in mixed:

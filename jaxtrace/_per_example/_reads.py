@@ -13,8 +13,13 @@ example, as ``wpe.weight[:T]`` inside ``jax.vmap(model)`` is, and meets them lat
 
 ``find_reads`` looks at the program's top level and into the ``jit`` and ``checkpoint``
 bodies it calls (``jnp.take`` and ``jnp.einsum`` are such bodies), where the leaf is the
-program's own input or its ``transpose``, outside the covered layers' calls. A read in a
-loop, a branch or a custom rule's body is not listed, and its leaf keeps the exact path. The
+program's own input or its ``transpose``, outside the covered layers' calls; and into the
+body of a ``lax.scan``: of one step's slice where the scan runs over a leaf's leading axis
+(layers stacked as arrays ``(L, ...)``; ``stepped``: each slice is a parameter of its own,
+with its own factors), or of a whole leaf the body closes over (a recurrent weight;
+``repeated``: each step's factors are more positions of the one leaf's). A read in a nested
+or reversed scan, a ``while`` loop, a branch or a custom rule's body is not listed, and its
+leaf keeps the exact path. The
 pass then proves, as for a layer, that each position of the read's output reaches one
 example's loss (a shared output: that the proof finds where it meets the examples, at the
 top level), and cuts the read out of the leaf's other uses (``_uses``): a leaf also used in
@@ -30,7 +35,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, _equation_params
+from .. import _compat, _equation_params, _higher_order
 from .._module_tags import INPUT_SUFFIX
 from .._tag import is_tag
 from ._factors import Index, Use, examples_first
@@ -49,7 +54,9 @@ class Read:
     operand: int
     transposed: bool
     rule: "ReadRule"
-    ctx: tuple = ()  # the jit and checkpoint equations that hold it, outermost first
+    ctx: tuple = ()  # the jit, checkpoint and scan equations that hold it, outermost first
+    stepped: bool = False  # it reads one step's slice of the leaf, in the body of a scan over the leaf (in ``ctx``)
+    repeated: bool = False  # it reads the whole leaf at every step of a scan (in ``ctx``) whose body closes over it
 
     @property
     def other(self) -> Optional[int]:
@@ -87,10 +94,10 @@ READS: dict[str, ReadRule] = {}
 def find_reads(jaxpr, n_leaves: int, layers: set) -> list[Read]:
     """The reads of leaves (``jaxpr``'s first ``n_leaves`` invars) by equations of the top level or of
     the ``jit`` and ``checkpoint`` bodies it calls (``jnp.take`` and ``jnp.einsum`` are such bodies),
-    in program order, outside the calls of the covered layers ``layers`` (paths; their rules hold
-    what those read)."""
+    and of one step's slice in the body of a ``lax.scan`` over a leaf, in program order, outside
+    the calls of the covered layers ``layers`` (paths; their rules hold what those read)."""
     out: list = []
-    _Finder(layers, out).run(jaxpr, {v: (i, False) for i, v in enumerate(jaxpr.invars[:n_leaves])}, ())
+    _Finder(layers, out).run(jaxpr, {v: (i, False, None) for i, v in enumerate(jaxpr.invars[:n_leaves])}, ())
     return out
 
 
@@ -99,7 +106,9 @@ class _Finder:
         self.layers, self.out = layers, out
 
     def run(self, jaxpr, alias: dict, ctx: tuple) -> None:
-        """``alias``: var -> ``(leaf, transposed)``, the leaf itself or seen through ``_VIEWS``."""
+        """``alias``: var -> ``(leaf, transposed, loop)``, the leaf itself (``loop``: ``None``; in a scan
+        body, ``"stepped"`` for one step's slice of it, ``"repeated"`` for the whole leaf) or seen through
+        ``_VIEWS``."""
         open_calls: list = []
         for eqn in jaxpr.eqns:
             if is_tag(eqn):  # a covered layer's call runs from its input's tag to its output's
@@ -119,12 +128,15 @@ class _Finder:
                 if inner:
                     self.run(body, inner, (*ctx, eqn))
                 continue
+            if _higher_order.kind(eqn) == _higher_order.SCAN:
+                self._scan(eqn, ins, alias, ctx)
+                continue
             view = _VIEWS.get(name)
             if view is not None and len(ins) == 1 and ins[0] in alias:
                 flips = view(eqn)
                 if flips is not None:
-                    leaf, t = alias[ins[0]]
-                    alias[eqn.outvars[0]] = (leaf, t != flips)
+                    leaf, t, loop = alias[ins[0]]
+                    alias[eqn.outvars[0]] = (leaf, t != flips, loop)
                 continue
             rule = READS.get(name)
             if rule is None or len(ins) > 2:
@@ -132,13 +144,31 @@ class _Finder:
             for k, v in enumerate(ins):
                 if v is None or v not in alias:
                     continue
-                leaf, t = alias[v]
+                leaf, t, loop = alias[v]
                 if t and not rule.transposable:
                     continue
                 others = [a for j, a in enumerate(ins) if j != k and a is not None]
                 if rule.match(eqn, k, tuple(v.aval.shape)) and not any(a in alias for a in others):
-                    self.out.append(Read(eqn, leaf, k, t, rule, ctx))
+                    self.out.append(Read(eqn, leaf, k, t, rule, ctx, loop == "stepped", loop == "repeated"))
                     break
+
+    def _scan(self, eqn, ins: list, alias: dict, ctx: tuple) -> None:
+        """A forward ``lax.scan`` not inside another: leaves among its ``xs`` (not transposed) are
+        read one step's slice at a time in its body, leaves among its consts whole at every step."""
+        p = _equation_params.scan_params(eqn)
+        if p.reverse or any(_higher_order.kind(e) == _higher_order.SCAN for e in ctx):
+            return
+        body, _ = _compat.jaxpr_and_consts(p.body)
+        first = p.num_consts + p.num_carry
+        inner = {}
+        for a, b in zip(ins[: p.num_consts], body.invars[: p.num_consts]):
+            if a is not None and a in alias and alias[a][2] is None:
+                inner[b] = (alias[a][0], alias[a][1], "repeated")
+        for a, b in zip(ins[first:], body.invars[first:]):
+            if a is not None and a in alias and not alias[a][1] and alias[a][2] is None:
+                inner[b] = (alias[a][0], False, "stepped")
+        if inner:
+            self.run(body, inner, (*ctx, eqn))
 
 
 def _transpose_view(eqn) -> Optional[bool]:

@@ -53,7 +53,7 @@ class _Flows:
 
     def run(self, jaxpr, masks: Sequence[int], ctx: Optional[tuple]) -> list[int]:
         """The masks of ``jaxpr``'s outputs, given those of its constvars and invars (in that order);
-        ``ctx``: the ``id``s of the calls that hold it (``None`` inside any other body)."""
+        ``ctx``: the ``id``s of the calls and scans that hold it (``None`` inside any other body)."""
         env = dict(zip((*jaxpr.constvars, *jaxpr.invars), masks))
         for eqn in jaxpr.eqns:
             ins = [0 if isinstance(v, _compat.Literal) else env.get(v, 0) for v in eqn.invars]
@@ -88,7 +88,7 @@ class _Flows:
             return [0] * n_out
         if kind == _higher_order.SCAN:
             p = _equation_params.scan_params(eqn)
-            return self._loop(p.body, ins, p.num_consts, p.num_carry)
+            return self._loop(p.body, ins, p.num_consts, p.num_carry, key)  # (reads in its body: _reads)
         if kind == _higher_order.WHILE:
             p = _equation_params.while_params(eqn)
             body_ins = ins[p.cond_nconsts:]  # (body consts, carry) -> carry; the predicate carries no gradient
@@ -114,11 +114,11 @@ class _Flows:
         jaxpr, _ = _compat.jaxpr_and_consts(body)
         return self.run(jaxpr, [0] * len(jaxpr.constvars) + list(ins), ctx)
 
-    def _loop(self, body, ins: list[int], n_consts: int, n_carry: int) -> list[int]:
+    def _loop(self, body, ins: list[int], n_consts: int, n_carry: int, ctx: Optional[tuple] = None) -> list[int]:
         """A loop body ``(consts, carry, xs) -> (carry, ys)``: carries fed back to a fixed point."""
         ins = list(ins)
         while True:
-            outs = self._call(body, ins)
+            outs = self._call(body, ins, ctx)
             carry = [a | b for a, b in zip(ins[n_consts : n_consts + n_carry], outs[:n_carry])]
             if carry == ins[n_consts : n_consts + n_carry]:
                 return outs
