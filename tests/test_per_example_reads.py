@@ -201,6 +201,7 @@ def test_a_recurrent_weight_closed_over_by_a_scan_is_on_factors(jit):
     check(lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2, axis=(1, 2)), model, x, y, jit=jit)
 
 
+@pytest.mark.slow  # ~15 s on 2 cores (jacrev under vmap and grad); the grammar's scan_reads class draws these too
 def test_stacked_reads_inside_vmap_jit_and_grad():
     """The stacked reads under ``jax.vmap`` over two parameter sets (jaxtrace in the body), and
     ``jax.grad`` of the summed norms against ``jax.grad`` of the definition's."""
