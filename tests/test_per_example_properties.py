@@ -116,9 +116,10 @@ CLASSES = {
     ),
     "scan_reads": Cls(
         "layers stacked as raw (L, d, d) arrays and run with lax.scan over them, each step reading its slice in a "
-        "matrix product: h @ w, jnp.einsum, h @ w.T, inside a jit body, or the same stack scanned twice; or a raw "
+        "matrix product: h @ w, jnp.einsum, h @ w.T, inside a jit body, in a reversed scan, or the same stack scanned "
+        "twice; or a raw "
         "(d, d) weight the scan body closes over and reads at every step (a recurrent weight), beside the slice",
-        variants=("matmul", "einsum", "transposed", "jit", "two_scans", "recurrent"),
+        variants=("matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent"),
         factors=True,
     ),
     "negative_ids": Cls("Embedding ids in [-V, V), with -1 and V-1 in one example", inputs=("embed",)),
@@ -647,13 +648,14 @@ def b_scan_reads(kit, p):
         "jit": jax.jit(lambda h, w: h @ w),
         "two_scans": lambda h, w: h @ w,
         "recurrent": lambda h, w: h @ w,
+        "reverse": lambda h, w: h @ w,
     }[p.variant]
 
     def middle(parts, h):
         stack, rec = kit.val(parts["stack"]), kit.val(parts["rec"])
         extra = (lambda h: h @ rec.T) if p.variant == "recurrent" else (lambda h: 0.0)  # noqa: E731
         for _ in range(2 if p.variant == "two_scans" else 1):
-            h, _ = lax.scan(lambda h, w: (jnp.tanh(product(h, w) + extra(h)), None), h, stack)
+            h, _ = lax.scan(lambda h, w: (jnp.tanh(product(h, w) + extra(h)), None), h, stack, reverse=p.variant == "reverse")
         return h
 
     return standard(kit, p, {"stack": kit.param(kit.normal(p.T, p.d, p.d)), "rec": kit.param(kit.normal(p.d, p.d))}, middle)

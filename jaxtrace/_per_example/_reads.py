@@ -18,7 +18,7 @@ body of a ``lax.scan``: of one step's slice where the scan runs over a leaf's le
 (layers stacked as arrays ``(L, ...)``; ``stepped``: each slice is a parameter of its own,
 with its own factors), or of a whole leaf the body closes over (a recurrent weight;
 ``repeated``: each step's factors are more positions of the one leaf's). A read in a nested
-or reversed scan, a ``while`` loop, a branch or a custom rule's body is not listed, and its
+scan, a ``while`` loop, a branch or a custom rule's body is not listed, and its
 leaf keeps the exact path. The
 pass then proves, as for a layer, that each position of the read's output reaches one
 example's loss (a shared output: that the proof finds where it meets the examples, at the
@@ -153,10 +153,11 @@ class _Finder:
                     break
 
     def _scan(self, eqn, ins: list, alias: dict, ctx: tuple) -> None:
-        """A forward ``lax.scan`` not inside another: leaves among its ``xs`` (not transposed) are
+        """A ``lax.scan`` not inside another (forward or reversed: the tags in its body stack their
+        values in the order of ``xs``, as its ``ys`` do): leaves among its ``xs`` (not transposed) are
         read one step's slice at a time in its body, leaves among its consts whole at every step."""
         p = _equation_params.scan_params(eqn)
-        if p.reverse or any(_higher_order.kind(e) == _higher_order.SCAN for e in ctx):
+        if any(_higher_order.kind(e) == _higher_order.SCAN for e in ctx):
             return
         body, _ = _compat.jaxpr_and_consts(p.body)
         first = p.num_consts + p.num_carry
