@@ -29,7 +29,7 @@ Classes the current implementation gets wrong are in ``KNOWN_FAILING``: their te
 with that reason (empty the set as fixes land; each class's docstring in ``CLASSES`` says
 what it draws). Profiles as in ``test_properties.py`` (``JAXTRACE_HYPOTHESIS_PROFILE``):
 ``quick`` (the default run) draws one program per class, ``ci`` (``--long``) six (each
-program run eager and under jit: about 7 minutes on two cores for 40 classes and 6 compositions);
+program run eager and under jit: about 7 minutes on two cores for 31 classes and 6 compositions);
 ``JAXTRACE_PER_EXAMPLE_PROGRAMS=n`` sets the number per class.
 """
 
