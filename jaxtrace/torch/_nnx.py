@@ -117,7 +117,7 @@ def load_weights(model: nnx.Module, module: torch.nn.Module) -> nnx.Module:
                 f"module at {path!r} as shape {value.shape}, but that module ({type(target).__name__}) has "
                 f"{found} there."
             )
-        variable.value = jnp.asarray(value)
+        _set(variable, jnp.asarray(value))
         filled.add(id(variable))
     unfilled = [
         f"{path}.{attr}" if path else attr
@@ -132,3 +132,13 @@ def load_weights(model: nnx.Module, module: torch.nn.Module) -> nnx.Module:
             stacklevel=3,
         )
     return out
+
+
+def _set(variable, value) -> None:
+    """``variable``'s value replaced by ``value``: ``set_value`` where flax has it (0.12.x later
+    releases deprecate the ``.value`` setter), the setter before."""
+    set_value = getattr(variable, "set_value", None)
+    if set_value is not None:
+        set_value(value)
+    else:
+        variable.value = value
