@@ -117,9 +117,9 @@ CLASSES = {
     "scan_reads": Cls(
         "layers stacked as raw (L, d, d) arrays and run with lax.scan over them, each step reading its slice in a "
         "matrix product: h @ w, jnp.einsum, h @ w.T, inside a jit body, in a reversed scan, or the same stack scanned "
-        "twice; or a raw "
+        "twice, with a stacked (L, d) bias added per step; or a raw "
         "(d, d) weight the scan body closes over and reads at every step (a recurrent weight), beside the slice",
-        variants=("matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent"),
+        variants=("matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent", "bias"),
         factors=True,
     ),
     "negative_ids": Cls("Embedding ids in [-V, V), with -1 and V-1 in one example", inputs=("embed",)),
@@ -649,16 +649,20 @@ def b_scan_reads(kit, p):
         "two_scans": lambda h, w: h @ w,
         "recurrent": lambda h, w: h @ w,
         "reverse": lambda h, w: h @ w,
+        "bias": lambda h, w: h @ w,
     }[p.variant]
 
     def middle(parts, h):
-        stack, rec = kit.val(parts["stack"]), kit.val(parts["rec"])
+        stack, rec, bias = kit.val(parts["stack"]), kit.val(parts["rec"]), kit.val(parts["bias"])
         extra = (lambda h: h @ rec.T) if p.variant == "recurrent" else (lambda h: 0.0)  # noqa: E731
+        if p.variant == "bias":  # each step's (d,) slice added as it is
+            return lax.scan(lambda h, wb: (jnp.tanh(product(h, wb[0]) + wb[1]), None), h, (stack, bias))[0]
         for _ in range(2 if p.variant == "two_scans" else 1):
             h, _ = lax.scan(lambda h, w: (jnp.tanh(product(h, w) + extra(h)), None), h, stack, reverse=p.variant == "reverse")
         return h
 
-    return standard(kit, p, {"stack": kit.param(kit.normal(p.T, p.d, p.d)), "rec": kit.param(kit.normal(p.d, p.d))}, middle)
+    extra = {"stack": kit.normal(p.T, p.d, p.d), "rec": kit.normal(p.d, p.d), "bias": kit.normal(p.T, p.d)}
+    return standard(kit, p, {k: kit.param(v) for k, v in extra.items()}, middle)
 
 
 def b_negative_ids(kit, p):

@@ -145,25 +145,28 @@ def test_reads_inside_checkpoint_are_on_factors():
 
 class Stacked(eqx.Module):
     """Layers stacked as raw arrays ``(L, D, D)`` and run with ``lax.scan`` over them, as hand-written
-    deep models are: each step reads its own slice in a product (``h @ w``, ``jnp.einsum``, ``h @ w.T``)."""
+    deep models are: each step reads its own slice in a product (``h @ w``, ``jnp.einsum``, ``h @ w.T``)
+    and adds its own bias slice ``(D,)`` as it is."""
 
     embed: jax.Array
     w1: jax.Array
     w2: jax.Array
+    b1: jax.Array
     head: jax.Array
 
     def __init__(self, key, layers=3):
-        k = jax.random.split(key, 4)
+        k = jax.random.split(key, 5)
         self.embed, self.head = jax.random.normal(k[0], (V, D)), jax.random.normal(k[3], (D, V))
         self.w1, self.w2 = (0.5 * jax.random.normal(kk, (layers, D, D)) for kk in k[1:3])
+        self.b1 = jax.random.normal(k[4], (layers, D))
 
     def __call__(self, ids):
         def block(h, w):
-            w1, w2 = w
-            u = jnp.tanh(jnp.einsum("td,de->te", h, w1))
+            w1, w2, b1 = w
+            u = jnp.tanh(jnp.einsum("td,de->te", h, w1) + b1)
             return h + jnp.tanh(u @ w2.T), None
 
-        h, _ = jax.lax.scan(block, self.embed[ids], (self.w1, self.w2))
+        h, _ = jax.lax.scan(block, self.embed[ids], (self.w1, self.w2, self.b1))
         return h @ self.head
 
 
@@ -219,7 +222,7 @@ def test_stacked_reads_inside_vmap_jit_and_grad():
 
 def test_stacked_reads_the_rules_do_not_cover_keep_the_exact_path():
     """A stack the body closes over and indexes (its rows: the same for every example), a slice
-    also added as it is, a scan nested in a scan: exact, and ``fallback="error"`` names each leaf;
+    also added as it is, a scan nested in a scan, a stacked bias also used outside its scan: exact, and ``fallback="error"`` names each leaf;
     the others stay on factors, a scan in reverse too (its tags stack in the order of ``xs``)."""
 
     class Loops(eqx.Module):
@@ -228,6 +231,7 @@ def test_stacked_reads_the_rules_do_not_cover_keep_the_exact_path():
         closed: jax.Array  # closed over and indexed by the step
         added: jax.Array  # read per step, and its slice added as it is
         nested: jax.Array  # (L, L, D, D) read in an inner scan
+        bias: jax.Array  # (L, D) added per step, and summed outside the scan too
 
         def __call__(self, x):
             h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, self.ok)
@@ -236,16 +240,19 @@ def test_stacked_reads_the_rules_do_not_cover_keep_the_exact_path():
             h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w) + w[0], None), h, self.added)
             inner = lambda h, ws: (jax.lax.scan(lambda g, w: (jnp.tanh(g @ w), None), h, ws)[0], None)  # noqa: E731
             h, _ = jax.lax.scan(inner, h, self.nested)
-            return h
+            h, _ = jax.lax.scan(lambda h, b: (jnp.tanh(h + b), None), h, self.bias)
+            return h + jnp.sum(self.bias)
 
     k = jax.random.split(KEYS[6], 5)
-    model = Loops(*(0.5 * jax.random.normal(kk, (2, D, D)) for kk in k[:4]), 0.5 * jax.random.normal(k[4], (2, 2, D, D)))
+    model = Loops(
+        *(0.5 * jax.random.normal(kk, (2, D, D)) for kk in k[:4]), 0.5 * jax.random.normal(k[4], (2, 2, D, D)), jnp.ones((2, D))
+    )
     x = jax.random.normal(KEYS[7], (B, T, D))
     losses = lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2, axis=(1, 2))  # noqa: E731
     check(losses, model, x, jit=True, on_factors=False)
     with pytest.raises(jt.TagError) as info:
         jt.per_example_norms(losses, fallback="error")(model, x)
-    for name in ("'closed'", "'added'", "'nested'"):
+    for name in ("'closed'", "'added'", "'nested'", "'bias'"):
         assert name in str(info.value)
     assert "'ok'" not in str(info.value) and "'rev'" not in str(info.value)
 

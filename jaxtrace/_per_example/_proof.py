@@ -120,12 +120,14 @@ class Proof:
 # --- the analysis -------------------------------------------------------------
 
 
-def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[dict] = None) -> Proof:
+def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[dict] = None, in_scans: Optional[dict] = None) -> Proof:
     """Reads ``jaxpr`` (invars: the leaves, then nothing; outvar 0: the losses ``(batch,)``).
 
     ``reads`` maps a name to the output var of a top-level equation that reads a leaf outside its
     layers (``_reads``); where that output is shared by every example, ``Proof.shared`` also lists
-    where it meets the examples, under that name.
+    where it meets the examples, under that name. ``in_scans`` maps a name to ``(scan equation,
+    body invar)``: a top-level scan's body input (one step's slice of a leaf), whose meetings with
+    the examples in that body are listed the same way.
     """
     analysis = _Analysis(batch, layer_paths)
     origins = [("leaf", i) for i in range(n_leaves)] + [None] * (len(jaxpr.invars) - n_leaves)
@@ -139,7 +141,7 @@ def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[di
         for occ in occs:
             if isinstance(occ.out, Every):
                 proof.unproven[path] = occ.out
-    proof.shared = analysis.shared_uses(jaxpr, reads or {})
+    proof.shared = analysis.shared_uses(jaxpr, reads or {}, in_scans or {})
     return proof
 
 
@@ -395,16 +397,21 @@ class _Analysis:
             xs.append(unit(shape_of(v), where[0] + 1, where[1]) if where else Every("unknown", eqn))
         return got[:k] + carry + xs
 
-    def shared_uses(self, jaxpr, reads: dict) -> list:
-        """Where each top-level layer output (and each read ``reads`` names) that reaches every loss
-        meets the examples; one with any other use gets none (its leaves take the exact path)."""
+    def shared_uses(self, jaxpr, reads: dict, in_scans: dict) -> list:
+        """Where each top-level layer output (and each read ``reads`` names, and each scan body input
+        ``in_scans`` names) that reaches every loss meets the examples; one with any other use gets
+        none (its leaves take the exact path)."""
         starts = [(path, occ.eqn.outvars[0]) for path, occs in self.occurrences.items() for occ in occs if not occ.ctx]
+        places = [(path, var, jaxpr, ()) for path, var in [*starts, *reads.items()]]
+        for path, (eqn, var) in in_scans.items():
+            body, _ = _compat.jaxpr_and_consts(_equation_params.scan_params(eqn).body)
+            places.append((path, var, body, (eqn,)))
         found = []
-        for path, var in [*starts, *reads.items()]:
-            state = self.state.get(((), var))
+        for path, var, where, ctx in places:
+            state = self.state.get((ctx, var))
             if not isinstance(state, Every) or state.kind != "shared":
                 continue
-            uses = self._meetings(jaxpr, var, [], ())
+            uses = self._meetings(where, var, [], ctx)
             if uses is None:
                 continue
             found.extend(SharedUse(path, eqn, index, chain, ctx) for eqn, index, chain, ctx in uses)
