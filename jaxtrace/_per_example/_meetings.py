@@ -17,6 +17,7 @@ Example (the program of ``h + b``, ``b`` shared, meets the examples at the ``add
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,14 @@ class Replay:
     reads: dict
 
     def __call__(self, leaves):
+        at, inline = self._places
+        outs = self._run(self.jaxpr, self.consts, leaves, (), at, inline)
+        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+    @functools.cached_property
+    def _places(self) -> tuple[dict, set]:
+        """``(at, inline)``: the tag name at each meeting and read, keyed by the ids of the calls that
+        hold it and its equation's; the calls (as such key prefixes) to run inline or replay."""
         at, inline = {}, set()
         for uses in self.shared_names.values():
             for name, use in uses:
@@ -56,8 +65,7 @@ class Replay:
             ids = tuple(map(id, read.ctx))
             at[("read", *ids, id(read.eqn))] = name
             inline.update(ids[: k + 1] for k in range(len(ids)))
-        outs = self._run(self.jaxpr, self.consts, leaves, (), at, inline)
-        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+        return at, inline
 
     def _run(self, jaxpr, consts, args, ctx: tuple, at: dict, inline: set) -> list:
         env: dict = {}
