@@ -1,15 +1,17 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,dwcnn,port,stacked]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,dwcnn,port,stacked,vit]
 
-For six equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+For seven equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
 32x32x3 images, each with a 2x2 max pool, batch 64; a MobileNet-style CNN of the same widths whose
 blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-2 port of
 ``examples/hf_gpt2_port.py`` at the transformer's sizes, which reads its token table as
 ``wte.weight[ids]``, its position table as ``wpe.weight[:T]`` and ties its head as
 ``h @ wte.weight.T``; a stack of 4 residual MLP blocks held as raw ``(4, d, 4d)`` and ``(4, 4d, d)``
-arrays and run with ``lax.scan``, at the transformer's sizes, as hand-written deep models are) it
+arrays and run with ``lax.scan``, at the transformer's sizes, as hand-written deep models are; a
+ViT of width 192, 4 blocks of 3 heads stacked with ``eqx.filter_vmap`` and run with ``lax.scan``, on
+32x32x3 images in 4x4 patches with a class token concatenated before them, batch 32) it
 compiles, side by side:
 
 - ``vmap(grad)`` + norms: ``jax.vmap(eqx.filter_grad(one_example_loss))`` then each leaf's
@@ -139,6 +141,52 @@ class Stacked(eqx.Module):
         return h @ self.head
 
 
+class ViTBlock(eqx.Module):
+    ln1: eqx.nn.LayerNorm
+    ln2: eqx.nn.LayerNorm
+    att: eqx.nn.MultiheadAttention
+    fc: eqx.nn.Linear
+    proj: eqx.nn.Linear
+
+    def __init__(self, d, heads, key):
+        k = jax.random.split(key, 3)
+        self.ln1, self.ln2 = eqx.nn.LayerNorm(d), eqx.nn.LayerNorm(d)
+        self.att = eqx.nn.MultiheadAttention(heads, d, key=k[0])
+        self.fc, self.proj = eqx.nn.Linear(d, 4 * d, key=k[1]), eqx.nn.Linear(4 * d, d, key=k[2])
+
+    def __call__(self, h):
+        x = jax.vmap(self.ln1)(h)
+        h = h + self.att(x, x, x)
+        return h + jax.vmap(self.proj)(jax.nn.gelu(jax.vmap(self.fc)(jax.vmap(self.ln2)(h))))
+
+
+class ViT(eqx.Module):
+    """Patches by a strided Conv2d, a class token concatenated before them, a position table added
+    whole, blocks stacked with ``eqx.filter_vmap`` and run with ``lax.scan``, a head on the class token."""
+
+    patch: eqx.nn.Conv2d
+    cls: jax.Array
+    pos: jax.Array
+    blocks: ViTBlock
+    ln: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, image, patch, d, heads, layers, classes, key):
+        k = jax.random.split(key, 5)
+        self.patch = eqx.nn.Conv2d(3, d, patch, stride=patch, key=k[0])
+        self.cls = jax.random.normal(k[1], (1, d)) * 0.02
+        self.pos = jax.random.normal(k[2], ((image // patch) ** 2 + 1, d)) * 0.02
+        self.blocks = eqx.filter_vmap(lambda k: ViTBlock(d, heads, k))(jax.random.split(k[3], layers))
+        self.ln, self.head = eqx.nn.LayerNorm(d), eqx.nn.Linear(d, classes, key=k[4])
+
+    def __call__(self, image):
+        x = self.patch(image)
+        h = jnp.concatenate([self.cls, x.reshape(x.shape[0], -1).T]) + self.pos
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+        h, _ = jax.lax.scan(lambda h, p: (eqx.combine(p, static)(h), None), h, params)
+        return self.head(self.ln(h[0]))
+
+
 def gpt2_port(vocab, d, heads, layers, positions, key):
     """The port of ``examples/hf_gpt2_port.py`` (its code, float32), from a config of these sizes."""
     import importlib.util
@@ -238,8 +286,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn,dwcnn,port,stacked",
-                        help="comma-separated: mlp,transformer,cnn,dwcnn,port,stacked")
+    parser.add_argument("--models", default="mlp,transformer,cnn,dwcnn,port,stacked,vit",
+                        help="comma-separated: mlp,transformer,cnn,dwcnn,port,stacked,vit")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -261,6 +309,8 @@ def main():
     dw = DepthwiseCNN(image, channels, 10, key)
     port = gpt2_port(512, d, 4, 2, t, key) if "port" in which else None
     stacked = Stacked(512, d, 4, key)
+    vit = ViT(image, 4, 192 if not args.quick else 32, 3 if not args.quick else 2, 4, 10, key)
+    xv = jax.random.normal(key, (tb, 3, image, image))
     print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}; "
           f"CNN: {image}x{image}x3, conv {channels}, batch {cb}; depthwise CNN: the same, depthwise + pointwise blocks\n")
     print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) | x filter_grad |")
@@ -269,7 +319,8 @@ def main():
     for name, m, b, f in (("MLP", mlp, (x, y), mlp_losses), ("transformer", lm, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("CNN", cnn, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses),
                           ("port", port, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
-                          ("stacked", stacked, (ids, jnp.roll(ids, 1, axis=1)), lm_losses)):
+                          ("stacked", stacked, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
+                          ("ViT", vit, (xv, yc[:tb]), mlp_losses)):
         if name.lower() in which:
             rows, rel[name] = measure(name, m, b, f, rounds)
             print("\n".join(rows))

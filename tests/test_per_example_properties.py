@@ -86,7 +86,12 @@ class Cls:
 
 CLASSES = {
     "batched": Cls("jax.vmap(model) (NNX: model(x)) over covered layers only"),
-    "uncovered_array": Cls("a raw parameter added to, multiplying or matmul'd with the activations", variants=("add", "mul", "matmul")),
+    "uncovered_array": Cls(
+        "a raw parameter added to, multiplying or matmul'd with the activations, concatenated before the positions as "
+        "a class token (ViT), or put where a fixed mask says as a mask token (BERT, MAE)",
+        variants=("add", "mul", "matmul", "concat", "where"),
+        factors=True,
+    ),
     "custom_module": Cls("a custom module: its own weights (affine), or its own gate around a covered Linear", variants=("affine", "gated")),
     "position_ids": Cls(
         "a position Embedding called with jnp.arange(T) inside the model (shared by every example), added (T == B or "
@@ -418,7 +423,18 @@ def b_batched(kit, p):
 
 def b_uncovered_array(kit, p):
     extra = {"p": kit.param(kit.normal(p.d, p.d) if p.variant == "matmul" else kit.normal(p.d))}
-    ops = {"add": lambda h, a: h + a, "mul": lambda h, a: h * a, "matmul": lambda h, a: jnp.tanh(h @ a)}
+    def class_token(h, a):  # concatenated before the positions; its output is added back to each
+        h = jnp.concatenate([jnp.broadcast_to(a, (*h.shape[:-2], 1, p.d)), h], axis=-2)
+        return jnp.tanh(h[..., 1:, :] + h[..., :1, :])
+
+    masked = (jnp.arange(p.T) % 2 == 0)[:, None]
+    ops = {
+        "add": lambda h, a: h + a,
+        "mul": lambda h, a: h * a,
+        "matmul": lambda h, a: jnp.tanh(h @ a),
+        "concat": class_token,
+        "where": lambda h, a: jnp.where(masked, a, h),
+    }
     return standard(kit, p, extra, lambda parts, h: ops[p.variant](h, kit.val(parts["p"])))
 
 

@@ -353,3 +353,68 @@ def test_nnx_multi_head_attention_is_on_factors():
         _, sq = run(model, x)
         for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref), strict=True):
             np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * 1e-2 * scale)
+
+
+class ViTBlock(eqx.Module):
+    ln1: eqx.nn.LayerNorm
+    ln2: eqx.nn.LayerNorm
+    att: eqx.nn.MultiheadAttention
+    fc: eqx.nn.Linear
+    proj: eqx.nn.Linear
+
+    def __init__(self, key, d):
+        k = jax.random.split(key, 3)
+        self.ln1, self.ln2 = eqx.nn.LayerNorm(d), eqx.nn.LayerNorm(d)
+        self.att = eqx.nn.MultiheadAttention(2, d, key=k[0])
+        self.fc, self.proj = eqx.nn.Linear(d, 2 * d, key=k[1]), eqx.nn.Linear(2 * d, d, key=k[2])
+
+    def __call__(self, h):
+        x = jax.vmap(self.ln1)(h)
+        h = h + self.att(x, x, x)
+        return h + jax.vmap(self.proj)(jax.nn.gelu(jax.vmap(self.fc)(jax.vmap(self.ln2)(h))))
+
+
+class ViT(eqx.Module):
+    """A vision transformer as its users write it: patches by a strided Conv2d, a learned class token
+    concatenated before them (or a mask token put where a fixed mask says, as BERT and MAE do), a
+    position table added whole, blocks stacked with ``eqx.filter_vmap`` and run with ``lax.scan``,
+    the head on the class token's output."""
+
+    patch: eqx.nn.Conv2d
+    token: jax.Array
+    pos: jax.Array
+    blocks: ViTBlock
+    head: eqx.nn.Linear
+    kind: str = eqx.field(static=True)
+
+    def __init__(self, key, kind, d=6, layers=2):
+        k = jax.random.split(key, 5)
+        self.patch = eqx.nn.Conv2d(1, d, 2, stride=2, key=k[0])
+        self.token, self.pos = jax.random.normal(k[1], (d,)), jax.random.normal(k[2], (5, d))
+        self.blocks = eqx.filter_vmap(lambda k: ViTBlock(k, d))(jax.random.split(k[3], layers))
+        self.head, self.kind = eqx.nn.Linear(d, 3, key=k[4]), kind
+
+    def __call__(self, image):
+        x = self.patch(image).reshape(self.token.shape[0], -1).T  # (4 patches, d)
+        if self.kind == "class":
+            h = jnp.concatenate([self.token[None], x]) + self.pos
+        else:  # the mask token at patches 0 and 2, the class position a zero row
+            h = jnp.concatenate([jnp.zeros_like(x[:1]), jnp.where((jnp.arange(4) % 2 == 0)[:, None], self.token, x)]) + self.pos
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+        h, _ = jax.lax.scan(lambda h, p: (eqx.combine(p, static)(h), None), h, params)
+        return self.head(h[0])
+
+
+@pytest.mark.parametrize("kind", ["class", "mask"])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.long_eager), True])
+def test_a_vit_with_a_class_or_mask_token_is_on_factors(jit, kind):
+    """A token laid along the examples by a broadcast (concatenated before each example's patches, or
+    put where a mask says) meets them there: each example's gradient at it is that example's copy's
+    cotangent, on factors like every other leaf of the model."""
+
+    def losses(model, images, labels):
+        logp = jax.nn.log_softmax(jax.vmap(model)(images))
+        return -jnp.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+
+    images, labels = jax.random.normal(KEYS[6], (B, 1, 4, 4)), jnp.arange(B) % 3
+    check(losses, ViT(KEYS[7], kind), images, labels, jit=jit)

@@ -4,8 +4,8 @@ A position table, a layer applied to ``arange(T)``'s embedding, a bias added as 
 that every example reads. Its gradient is the sum of the examples', so the tag that gives each
 example's own has to sit where the value meets the examples (``_proof.shared_uses`` finds those
 places). ``Replay`` runs the traced program again with that tag at each meeting, broadcast to
-the examples' shape (in a matrix product: the shared operand copied along a new batch axis),
-and a tag at each read the read rules (``_reads``) cover. ``shared_gradient`` turns the
+the examples' shape (in a matrix product: the shared operand copied along a new batch axis;
+where a broadcast itself lays the value along the examples' axis, its output), and a tag at each read the read rules (``_reads``) cover. ``shared_gradient`` turns the
 cotangent of such a broadcast back into each example's gradient at the shared value.
 
 Example (the program of ``h + b``, ``b`` shared, meets the examples at the ``add``)::
@@ -84,6 +84,9 @@ class Replay:
             elif met and eqn.primitive.name == "dot_general":
                 ((i, name),) = met
                 outs = [self._dot_per_example(eqn, ins, i, name, ctx)]
+            elif met and eqn.primitive.name == "broadcast_in_dim":  # its output holds one copy per example
+                ((_, name),) = met
+                outs = [_tag(bind_equation(eqn, ins)[0], name)]
             elif ("read", *key) in at:  # a leaf read outside its layers: its operand and output
                 name = at[("read", *key)]
                 other = self.reads[name].other
@@ -152,6 +155,14 @@ def shared_gradient(ct, use, shape, proof, batch: int):
     back = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, operand_aval.dtype if not chain else chain[0].invars[0].aval.dtype))
     if use.eqn.primitive.name == "dot_general":  # (B, *operand): each example's cotangent already
         return jax.vmap(lambda c: back(c.astype(operand_aval.dtype))[0])(ct)
+    if use.eqn.primitive.name == "broadcast_in_dim":  # the broadcast along the examples: one example's copy
+
+        def one_copy(y):
+            (out,) = bind_equation(use.eqn, [forward(y)])
+            return jax.lax.index_in_dim(out, 0, axis, keepdims=False)
+
+        back = jax.linear_transpose(one_copy, jax.ShapeDtypeStruct(shape, chain[0].invars[0].aval.dtype if chain else operand_aval.dtype))
+        return jax.vmap(lambda c: back(c.astype(use.eqn.outvars[0].aval.dtype))[0])(jnp.moveaxis(ct, axis, 0))
     ct = jnp.moveaxis(ct, axis, 0)  # (B, ...): one example's cotangent each, of the broadcast shape
 
     def one(c):

@@ -32,7 +32,8 @@ reads both from the jaxpr of ``fun(leaves)``, never from shapes:
 - **Shared layer outputs**: a layer applied to a value shared by every example (position
   ids ``arange(T)`` inside ``jax.vmap(model)``) has an output that reaches every loss; it
   meets the examples where an elementwise operation broadcasts it against a per-example
-  value, or a ``dot_general`` contracts it with one (``h @ pos.T``). ``Proof.shared`` lists
+  value, where a broadcast lays it along the examples' axis (a class token concatenated to
+  each example's patches), or a ``dot_general`` contracts it with one (``h @ pos.T``). ``Proof.shared`` lists
   those places (at the program's top level; a meeting inside a call or loop body is not
   listed, and the layer's leaves take the exact path): the pass tags the broadcast value
   there (for a ``dot_general``, the shared operand broadcast along a new batch axis of the
@@ -443,6 +444,15 @@ class _Analysis:
             state = self.state.get((ctx, eqn.outvars[0]))
             if len(eqn.outvars) != 1:
                 return None  # a loop, a branch or a split: the value meets the examples inside it (exact path)
+            if name == "broadcast_in_dim" and isinstance(state, Axis):
+                # the broadcast itself lays the value along the examples' axis, each example a copy
+                # (``jnp.concatenate([cls, x])``, ``x.at[0].set(cls)`` inside ``jax.vmap(model)``)
+                where = axis_of(shape_of(eqn.outvars[0]), state, self.batch)
+                ins = OWNERS[name](self, eqn, [state], ctx)
+                if where is None or where[1] != 1 or ins is None or not (isinstance(ins[0], Every) and ins[0].kind == "shared"):
+                    return None
+                found.append((eqn, 0, list(chain), ctx))
+                continue
             if (name in SHAPE_ONLY or name == "transpose") and len(eqn.invars) == 1:
                 more = self._meetings(jaxpr, eqn.outvars[0], [*chain, eqn], ctx)
                 if more is None:
