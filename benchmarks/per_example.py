@@ -1,10 +1,10 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,dwcnn,port,stacked,vit]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit]
 
 For seven equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
-32x32x3 images, each with a 2x2 max pool, batch 64; a MobileNet-style CNN of the same widths whose
+32x32x3 images, each with a 2x2 max pool (``cnnpool``: the same with ``eqx.nn.MaxPool2d``), batch 64; a MobileNet-style CNN of the same widths whose
 blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-2 port of
 ``examples/hf_gpt2_port.py`` at the transformer's sizes, which reads its token table as
 ``wte.weight[ids]``, its position table as ``wpe.weight[:T]`` and ties its head as
@@ -286,8 +286,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn,dwcnn,port,stacked,vit",
-                        help="comma-separated: mlp,transformer,cnn,dwcnn,port,stacked,vit")
+    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit",
+                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -306,6 +306,7 @@ def main():
     cnn = CNN(image, channels, 128, 10, key)
     xc = jax.random.normal(key, (cb, 3, image, image))
     yc = jax.random.randint(key, (cb,), 0, 10)
+    cnn_pool = per_example_peers.CNN(image, channels, 128, 10, key, pool="eqx")
     dw = DepthwiseCNN(image, channels, 10, key)
     port = gpt2_port(512, d, 4, 2, t, key) if "port" in which else None
     stacked = Stacked(512, d, 4, key)
@@ -317,7 +318,7 @@ def main():
     print("|---|---|---|---|---|---|---|")
     rel = {}
     for name, m, b, f in (("MLP", mlp, (x, y), mlp_losses), ("transformer", lm, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
-                          ("CNN", cnn, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses),
+                          ("CNN", cnn, (xc, yc), mlp_losses), ("CNNpool", cnn_pool, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses),
                           ("port", port, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("stacked", stacked, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("ViT", vit, (xv, yc[:tb]), mlp_losses)):

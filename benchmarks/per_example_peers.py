@@ -143,20 +143,25 @@ class CNN(eqx.Module):
     convs: list
     fc1: eqx.nn.Linear
     fc2: eqx.nn.Linear
+    pool: str = eqx.field(static=True, default="reshape")  # "reshape": a max over 2x2 blocks; "eqx": eqx.nn.MaxPool2d
 
-    def __init__(self, image, channels, hidden, classes, key):
+    def __init__(self, image, channels, hidden, classes, key, pool="reshape"):
         keys = jax.random.split(key, len(channels) + 2)
         c_in = (3, *channels[:-1])
         self.convs = [eqx.nn.Conv2d(i, o, 3, padding=1, key=k) for i, o, k in zip(c_in, channels, keys)]
         flat = channels[-1] * (image // 2 ** len(channels)) ** 2
         self.fc1 = eqx.nn.Linear(flat, hidden, key=keys[-2])
         self.fc2 = eqx.nn.Linear(hidden, classes, key=keys[-1])
+        self.pool = pool
 
     def __call__(self, x):  # x: (3, H, W), one example
         for conv in self.convs:
             x = jax.nn.relu(conv(x))
             c, h, w = x.shape
-            x = jnp.max(x.reshape(c, h // 2, 2, w // 2, 2), axis=(2, 4))  # 2x2 max pool
+            if self.pool == "eqx":
+                x = eqx.nn.MaxPool2d(2, 2)(x)  # lax.reduce_window_max
+            else:
+                x = jnp.max(x.reshape(c, h // 2, 2, w // 2, 2), axis=(2, 4))  # 2x2 max pool
         return self.fc2(jax.nn.relu(self.fc1(x.reshape(-1))))
 
 

@@ -264,6 +264,46 @@ def test_cnn_nnx():
     check(mse, to_dtype(NnxCNN(nnx.Rngs(0))), data(B, 7, 7, 2), data(B, 3, key=2), fallback="error")
 
 
+class PooledCNN(eqx.Module):
+    """The classic DP-SGD CNN as equinox users write it: convolutions, each followed by a pooling layer."""
+
+    c1: eqx.nn.Conv2d
+    c2: eqx.nn.Conv2d
+    fc: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.c1, self.c2 = eqx.nn.Conv2d(2, 3, 3, padding=1, key=k[0]), eqx.nn.Conv2d(3, 4, 3, padding=1, key=k[1])
+        self.fc = eqx.nn.Linear(4 * 2 * 2, 3, key=k[2])
+
+    def __call__(self, x):  # (2, 8, 8)
+        h = eqx.nn.MaxPool2d(2, 2)(jax.nn.relu(self.c1(x)))  # lax.reduce_window_max
+        h = eqx.nn.AvgPool2d(2, 2)(jnp.tanh(self.c2(h)))  # lax.reduce_window_sum
+        return self.fc(h.reshape(-1))
+
+
+class NnxPooledCNN(nnx.Module):
+    def __init__(self, rngs):
+        self.c1 = nnx.Conv(2, 3, (3, 3), padding="SAME", rngs=rngs)
+        self.c2 = nnx.Conv(3, 4, (3, 3), padding="SAME", rngs=rngs)
+        self.fc = nnx.Linear(4 * 2 * 2, 3, rngs=rngs)
+
+    def __call__(self, x):  # (B, 8, 8, 2)
+        h = nnx.max_pool(nnx.relu(self.c1(x)), (2, 2), strides=(2, 2))
+        h = nnx.avg_pool(jnp.tanh(self.c2(h)), (2, 2), strides=(2, 2))
+        return self.fc(h.reshape(h.shape[0], -1))
+
+
+@pytest.mark.parametrize("framework", ["equinox", "nnx"])
+def test_layers_before_a_pooling_layer_are_on_factors(framework):
+    """A pooling layer (``lax.reduce_window_*``) pools within each example: the layers before it keep
+    their factors."""
+    if framework == "equinox":
+        check(mse, to_dtype(PooledCNN(KEY)), data(B, 2, 8, 8), data(B, 3, key=2), fallback="error")
+    else:
+        check(mse, to_dtype(NnxPooledCNN(nnx.Rngs(0))), data(B, 8, 8, 2), data(B, 3, key=2), fallback="error")
+
+
 @pytest.mark.parametrize("dims", [1, pytest.param(3, marks=SLOW)])
 def test_conv_1d_3d(dims):
     eq = to_dtype(eqx.nn.Conv(dims, 2, 3, 2, stride=2, padding=1, key=KEY))

@@ -88,8 +88,9 @@ CLASSES = {
     "batched": Cls("jax.vmap(model) (NNX: model(x)) over covered layers only"),
     "uncovered_array": Cls(
         "a raw parameter added to, multiplying or matmul'd with the activations, concatenated before the positions as "
-        "a class token (ViT), or put where a fixed mask says as a mask token (BERT, MAE)",
-        variants=("add", "mul", "matmul", "concat", "where"),
+        "a class token (ViT), put where a fixed mask says as a mask token (BERT, MAE), or written into the first "
+        "position with .at[0].set",
+        variants=("add", "mul", "matmul", "concat", "where", "at_set"),
         factors=True,
     ),
     "custom_module": Cls("a custom module: its own weights (affine), or its own gate around a covered Linear", variants=("affine", "gated")),
@@ -182,7 +183,10 @@ def active_variants(cls):
 
 # --- building blocks ---------------------------------------------------------------------
 
-BODY = ("linear", "linear_nobias", "layernorm", "rmsnorm", "conv1d", "conv2d", "conv1d_depthwise", "conv1d_groups")
+BODY = (
+    "linear", "linear_nobias", "layernorm", "rmsnorm", "conv1d", "conv2d", "conv1d_depthwise", "conv1d_groups",
+    "conv1d_maxpool", "conv2d_avgpool",  # a conv, then a pooling over the positions (window 3, stride 1, same size)
+)
 V = 5  # vocabulary
 N_OUT = 2
 
@@ -274,6 +278,7 @@ class Kit:
 
     def layer(self, kind, din, dout=None):
         dout = din if dout is None else dout
+        kind = {"conv1d_maxpool": "conv1d", "conv2d_avgpool": "conv2d"}.get(kind, kind)
         k = self.key()
         if self.eqx:
             return {
@@ -307,6 +312,14 @@ class Kit:
             return jax.vmap(layer)(h) if self.eqx else layer(h)
         if kind in ("conv1d", "conv1d_depthwise"):
             return layer(h.T).T if self.eqx else layer(h)
+        if kind == "conv1d_maxpool":  # eqx.nn.MaxPool1d / nnx.max_pool: lax.reduce_window_max
+            if self.eqx:
+                return eqx.nn.MaxPool1d(3, 1, padding=1)(layer(h.T)).T
+            return nnx.max_pool(layer(h), (3,), strides=(1,), padding="SAME")
+        if kind == "conv2d_avgpool":  # eqx.nn.AvgPool2d / nnx.avg_pool: lax.reduce_window_sum
+            if self.eqx:
+                return eqx.nn.AvgPool2d(3, 1, padding=1)(layer(h[None]))[0]
+            return nnx.avg_pool(layer(h[..., None]), (3, 3), strides=(1, 1), padding="SAME")[..., 0]
         if kind == "conv1d_groups":  # (..., T, d) -> (..., T, 2d) -> the two groups' outputs summed
             both = jnp.concatenate([h, jnp.tanh(h)], axis=-1)
             out = layer(both.T).T if self.eqx else layer(both)
@@ -434,6 +447,7 @@ def b_uncovered_array(kit, p):
         "matmul": lambda h, a: jnp.tanh(h @ a),
         "concat": class_token,
         "where": lambda h, a: jnp.where(masked, a, h),
+        "at_set": lambda h, a: h.at[..., 0, :].set(a),  # a scatter into each example's positions
     }
     return standard(kit, p, extra, lambda parts, h: ops[p.variant](h, kit.val(parts["p"])))
 

@@ -238,6 +238,43 @@ def _gather(an, eqn, outs, ctx):
     return [Every("shared", eqn), idx_state]
 
 
+@register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
+def _reduce_window(an, eqn, outs, ctx):
+    """Pooling (``eqx.nn.MaxPool2d``, ``AvgPool2d``, ``flax.linen.max_pool``): per example where the
+    window along the examples' axis is one element, unpadded and undilated."""
+    where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
+    if where is None:
+        return None
+    j, p = where[0], eqn.params
+    if (int(p["window_dimensions"][j]), int(p["window_strides"][j]), tuple(p["padding"][j])) != (1, 1, (0, 0)):
+        return None
+    if int(p["base_dilation"][j]) != 1 or int(p["window_dilation"][j]) != 1:
+        return None
+    n = len(eqn.outvars)  # the generic reduce_window: its operands, then their initial values
+    if any(axis_of(shape_of(v), s, an.batch) != where for v, s in zip(eqn.outvars, outs) if s is not None):
+        return None
+    return [unit(shape_of(a), *where) for a in eqn.invars[:n]] + [Every("shared", eqn)] * (len(eqn.invars) - n)
+
+
+@register("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
+def _scatter(an, eqn, outs, ctx):
+    """``x.at[...].set(u)`` (and ``.add``, ``.mul``, ``.min``, ``.max``) inside ``jax.vmap(model)``: per
+    example where the examples' axis of ``x`` is one of the update's window axes, whole."""
+    shape = shape_of(eqn.outvars[0])
+    where = axis_of(shape, outs[0], an.batch)
+    if where is None:
+        return None
+    j, dn = where[0], eqn.params["dimension_numbers"]
+    skipped = {int(d) for d in dn.inserted_window_dims} | {int(d) for d in getattr(dn, "operand_batching_dims", ())}
+    window = [d for d in range(len(shape)) if d not in skipped]
+    if j not in window or j in {int(d) for d in dn.scatter_dims_to_operand_dims}:
+        return None
+    upd_dim, updates = int(dn.update_window_dims[window.index(j)]), shape_of(eqn.invars[2])
+    if updates[upd_dim] != shape[j]:
+        return None
+    return [unit(shape, *where), None, unit(updates, upd_dim, where[1])] + [None] * (len(eqn.invars) - 3)
+
+
 @register("dynamic_slice")
 def _dynamic_slice(an, eqn, outs, ctx):
     where = axis_of(shape_of(eqn.outvars[0]), outs[0], an.batch)
