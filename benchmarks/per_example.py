@@ -1,8 +1,8 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm]
 
-For seven equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+For nine equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
 32x32x3 images, each with a 2x2 max pool (``cnnpool``: the same with ``eqx.nn.MaxPool2d``), batch 64; a MobileNet-style CNN of the same widths whose
 blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-2 port of
@@ -11,7 +11,8 @@ blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-
 ``h @ wte.weight.T``; a stack of 4 residual MLP blocks held as raw ``(4, d, 4d)`` and ``(4, 4d, d)``
 arrays and run with ``lax.scan``, at the transformer's sizes, as hand-written deep models are; a
 ViT of width 192, 4 blocks of 3 heads stacked with ``eqx.filter_vmap`` and run with ``lax.scan``, on
-32x32x3 images in 4x4 patches with a class token concatenated before them, batch 32) it
+32x32x3 images in 4x4 patches with a class token concatenated before them, batch 32; an
+``eqx.nn.LSTMCell`` of width 256 run by ``lax.scan`` over 64 tokens, batch 32) it
 compiles, side by side:
 
 - ``vmap(grad)`` + norms: ``jax.vmap(eqx.filter_grad(one_example_loss))`` then each leaf's
@@ -187,6 +188,28 @@ class ViT(eqx.Module):
         return self.head(self.ln(h[0]))
 
 
+class LSTM(eqx.Module):
+    """A token table, an ``eqx.nn.LSTMCell`` run by ``lax.scan`` (its body closes over the cell), a head."""
+
+    embed: eqx.nn.Embedding
+    cell: eqx.nn.LSTMCell
+    head: eqx.nn.Linear
+
+    def __init__(self, vocab, d, key):
+        k = jax.random.split(key, 3)
+        self.embed, self.cell = eqx.nn.Embedding(vocab, d, key=k[0]), eqx.nn.LSTMCell(d, d, key=k[1])
+        self.head = eqx.nn.Linear(d, vocab, key=k[2])
+
+    def __call__(self, ids):
+        def step(state, x_t):
+            state = self.cell(x_t, state)
+            return state, state[0]
+
+        zeros = jnp.zeros(self.cell.hidden_size)
+        _, hs = jax.lax.scan(step, (zeros, zeros), jax.vmap(self.embed)(ids))
+        return jax.vmap(self.head)(hs)
+
+
 def gpt2_port(vocab, d, heads, layers, positions, key):
     """The port of ``examples/hf_gpt2_port.py`` (its code, float32), from a config of these sizes."""
     import importlib.util
@@ -286,8 +309,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit",
-                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit")
+    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm",
+                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -312,6 +335,7 @@ def main():
     stacked = Stacked(512, d, 4, key)
     vit = ViT(image, 4, 192 if not args.quick else 32, 3 if not args.quick else 2, 4, 10, key)
     xv = jax.random.normal(key, (tb, 3, image, image))
+    lstm = LSTM(512, d, key)
     print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}; "
           f"CNN: {image}x{image}x3, conv {channels}, batch {cb}; depthwise CNN: the same, depthwise + pointwise blocks\n")
     print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) | x filter_grad |")
@@ -321,7 +345,8 @@ def main():
                           ("CNN", cnn, (xc, yc), mlp_losses), ("CNNpool", cnn_pool, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses),
                           ("port", port, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("stacked", stacked, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
-                          ("ViT", vit, (xv, yc[:tb]), mlp_losses)):
+                          ("ViT", vit, (xv, yc[:tb]), mlp_losses),
+                          ("LSTM", lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses)):
         if name.lower() in which:
             rows, rel[name] = measure(name, m, b, f, rounds)
             print("\n".join(rows))

@@ -124,8 +124,9 @@ CLASSES = {
         "layers stacked as raw (L, d, d) arrays and run with lax.scan over them, each step reading its slice in a "
         "matrix product: h @ w, jnp.einsum, h @ w.T, inside a jit body, in a reversed scan, or the same stack scanned "
         "twice, with a stacked (L, d) bias added per step; or a raw "
-        "(d, d) weight the scan body closes over and reads at every step (a recurrent weight), beside the slice",
-        variants=("matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent", "bias"),
+        "(d, d) weight the scan body closes over and reads at every step (a recurrent weight), beside the slice, "
+        "with or without a (d,) bias it closes over and adds at every step",
+        variants=("matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent", "recurrent_bias", "bias"),
         factors=True,
     ),
     "negative_ids": Cls("Embedding ids in [-V, V), with -1 and V-1 in one example", inputs=("embed",)),
@@ -678,20 +679,24 @@ def b_scan_reads(kit, p):
         "jit": jax.jit(lambda h, w: h @ w),
         "two_scans": lambda h, w: h @ w,
         "recurrent": lambda h, w: h @ w,
+        "recurrent_bias": lambda h, w: h @ w,
         "reverse": lambda h, w: h @ w,
         "bias": lambda h, w: h @ w,
     }[p.variant]
 
     def middle(parts, h):
-        stack, rec, bias = kit.val(parts["stack"]), kit.val(parts["rec"]), kit.val(parts["bias"])
-        extra = (lambda h: h @ rec.T) if p.variant == "recurrent" else (lambda h: 0.0)  # noqa: E731
+        stack, rec, bias, cbias = (kit.val(parts[k]) for k in ("stack", "rec", "bias", "cbias"))
+        extra = {  # a recurrent weight (and a bias, (d,)) the body closes over and uses whole at every step
+            "recurrent": lambda h: h @ rec.T,
+            "recurrent_bias": lambda h: h @ rec.T + cbias,
+        }.get(p.variant, lambda h: 0.0)
         if p.variant == "bias":  # each step's (d,) slice added as it is
             return lax.scan(lambda h, wb: (jnp.tanh(product(h, wb[0]) + wb[1]), None), h, (stack, bias))[0]
         for _ in range(2 if p.variant == "two_scans" else 1):
             h, _ = lax.scan(lambda h, w: (jnp.tanh(product(h, w) + extra(h)), None), h, stack, reverse=p.variant == "reverse")
         return h
 
-    extra = {"stack": kit.normal(p.T, p.d, p.d), "rec": kit.normal(p.d, p.d), "bias": kit.normal(p.T, p.d)}
+    extra = {"stack": kit.normal(p.T, p.d, p.d), "rec": kit.normal(p.d, p.d), "bias": kit.normal(p.T, p.d), "cbias": kit.normal(p.d)}
     return standard(kit, p, {k: kit.param(v) for k, v in extra.items()}, middle)
 
 

@@ -418,3 +418,53 @@ def test_a_vit_with_a_class_or_mask_token_is_on_factors(jit, kind):
 
     images, labels = jax.random.normal(KEYS[6], (B, 1, 4, 4)), jnp.arange(B) % 3
     check(losses, ViT(KEYS[7], kind), images, labels, jit=jit)
+
+
+class Recurrent(eqx.Module):
+    """equinox's own recurrent cells run by ``lax.scan``: the body closes over the cell, so its weights
+    (read by matrix products) and its biases (added as they are) are the whole leaves at every step."""
+
+    cell: eqx.Module
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        lstm = isinstance(self.cell, eqx.nn.LSTMCell)
+
+        def step(state, x_t):
+            state = self.cell(x_t, state)
+            return state, state[0] if lstm else state
+
+        zeros = jnp.zeros(self.head.in_features)
+        _, hs = jax.lax.scan(step, (zeros, zeros) if lstm else zeros, x)
+        return jax.vmap(self.head)(hs)
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_recurrent_cells_biases_included_are_on_factors(cell):
+    """A bias the scan body closes over and adds at every step: each example's gradient is its
+    cotangents there, summed over the steps."""
+    k = jax.random.split(KEYS[2], 3)
+    make = eqx.nn.GRUCell if cell == "gru" else eqx.nn.LSTMCell
+    model = Recurrent(make(D, D, key=k[0]), eqx.nn.Linear(D, 2, key=k[1]))
+    model = jax.tree_util.tree_map(lambda a: a + 0.1 if eqx.is_inexact_array(a) else a, model)  # biases off zero
+    x, y = jax.random.normal(k[2], (B, T, D)), jax.random.normal(KEYS[5], (B, T, 2))
+    check(lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2, axis=(1, 2)), model, x, y, jit=True)
+
+
+def test_a_closed_over_bias_also_used_outside_its_scan_keeps_the_exact_path():
+    class Both(eqx.Module):
+        w: jax.Array
+        b: jax.Array
+
+        def __call__(self, x):
+            _, hs = jax.lax.scan(lambda h, x_t: (jnp.tanh(x_t @ self.w + h + self.b),) * 2, jnp.zeros(D), x)
+            return hs + self.b
+
+    k = jax.random.split(KEYS[3], 3)
+    model = Both(jax.random.normal(k[0], (D, D)), jax.random.normal(k[1], (D,)))
+    x = jax.random.normal(k[2], (B, T, D))
+    losses = lambda m, x: jnp.sum(jnp.sin(jax.vmap(m)(x)), axis=(1, 2))  # noqa: E731
+    with pytest.raises(jt.TagError, match="'b'"):
+        jt.per_example_norms(losses, fallback="error")(model, x)
+    check(losses, model, x, jit=True, on_factors=False)
+

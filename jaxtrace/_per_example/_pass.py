@@ -4,8 +4,8 @@
 per-example gradients (``_proof``: independent examples, the weight is the leaf, the
 example axis of each layer's output), runs one pass that gives every covered layer's input
 and output gradient (and those of each leaf read by one primitive, ``_reads``, and where a
-leaf used as it is meets the examples, at the top level or, one step's slice of it, in the body of
-the one scan over it: ``_meetings``), and turns the factors of each leaf's uses into
+leaf used as it is meets the examples, at the top level or, one step's slice of it or all of it
+at every step, in the body of the one scan over it or closing over it: ``_meetings``), and turns the factors of each leaf's uses into
 per-leaf squared norms or, weighted per example, into the clipped sum. Every other leaf (no rule, used outside
 its layers, transformed before its layer, examples not proven apart at its layer, its layer
 called inside a custom derivative rule's function) takes
@@ -41,6 +41,7 @@ _NO_RULE = "no per-layer rule covers it"
 _READ = ":read:"  # "<leaf name>:read:<k>": a leaf read by one primitive outside its layers (``_reads``)
 _WHOLE = ":whole"  # "<leaf name>:whole": a leaf no layer or read holds, shared by every example as it is
 _STEPS = ":whole:steps"  # "<leaf name>:whole:steps": such a leaf that a scan slices, each step's slice used as it is
+_REPEATS = ":whole:repeated"  # "<leaf name>:whole:repeated": such a leaf a scan's body closes over, used whole each step
 
 
 def _compute_dtype(dtype):
@@ -93,20 +94,20 @@ class Call:
         }
         read = {r.leaf for r in self.read_names.values()}
         whole = {f"{plan.names[i]}{_WHOLE}": i for i in range(len(plan.leaves)) if i not in read}
-        in_scans = _sliced_by_one_scan(self.jaxpr, {i for i in whole.values()})
-        steps = {f"{plan.names[i]}{_STEPS}": i for i in in_scans}
+        in_scans = _in_one_scan(self.jaxpr, set(whole.values()))
+        steps = {f"{plan.names[i]}{_STEPS if stepped else _REPEATS}": i for i, (_, _, stepped) in in_scans.items()}
         self.proof = prove(
             self.jaxpr, len(plan.leaves), self.batch, paths,
             {n: r.eqn.outvars[0] for n, r in self.read_names.items() if not r.ctx}  # shared: top level only
             | {n: self.jaxpr.invars[i] for n, i in whole.items()},
-            {n: in_scans[i] for n, i in steps.items()},
+            {n: in_scans[i][:2] for n, i in steps.items()},
         )
         called = {i for layer in plan.layers if self.proof.occurrences.get(layer.path) for i in layer.leaves.values()}
         whole = {n: i for n, i in whole.items() if i not in called}  # a called layer's leaves: its factors
         steps = {n: i for n, i in steps.items() if i not in called}
         self.proof.shared = [
             u for u in self.proof.shared
-            if not u.path.endswith((_WHOLE, _STEPS)) or u.path in whole or u.path in steps
+            if not u.path.endswith((_WHOLE, _STEPS, _REPEATS)) or u.path in whole or u.path in steps
         ]
         if self.proof.mixing is not None:
             raise TagError(
@@ -128,7 +129,8 @@ class Call:
         # a leaf used as it is (``h + b``, a whole position table ``wpe[:T]`` with T its length) where every
         # use meets the examples: each example's gradient is the cotangent of its broadcast there
         self.whole = {n: i for n, i in whole.items() if n in self.shared_names}
-        self.whole_steps = {n: i for n, i in steps.items() if n in self.shared_names}  # ``h + b[l]`` in a scan
+        # ``h + b[l]`` in a scan over ``b``; ``h + b`` in a scan whose body closes over ``b``
+        self.whole_steps = {n: i for n, i in steps.items() if n in self.shared_names}
         names |= set(self.reads) | {n + INPUT_SUFFIX for n in self.reads}
         run = self._traced  # the program again, with tags at the meetings and reads where there are any:
         if self.proof.shared or self.reads:
@@ -293,13 +295,17 @@ class Call:
             shape = jnp.shape(plan.leaves[i])
             g = sum(shared_gradient(tag_cts[n], u, shape, self.proof, self.batch) for n, u in self.shared_names[name])
             uses.setdefault(i, []).append(Use(g.reshape(self.batch, 1, -1).astype(dtypes[i]), None))
-        for name, i in self.whole_steps.items():  # each step's slice: the cotangents stack one per step
-            shape = jnp.shape(plan.leaves[i])[1:]
+        for name, i in self.whole_steps.items():  # the cotangents stack one per step
+            repeated = name.endswith(_REPEATS)
+            shape = jnp.shape(plan.leaves[i])[0 if repeated else 1 :]
             g = sum(
                 jax.vmap(lambda c, u=u: shared_gradient(c, u, shape, self.proof, self.batch))(tag_cts[n])
                 for n, u in self.shared_names[name]
             )
-            uses.setdefault(i, []).append(("steps", Use(g.reshape(g.shape[0], self.batch, 1, -1).astype(dtypes[i]), None)))
+            if repeated:  # the whole leaf at every step: each example's gradient sums over the steps
+                uses.setdefault(i, []).append(Use(g.sum(0).reshape(self.batch, 1, -1).astype(dtypes[i]), None))
+            else:  # each step's own slice
+                uses.setdefault(i, []).append(("steps", Use(g.reshape(g.shape[0], self.batch, 1, -1).astype(dtypes[i]), None)))
         every_use_met = set(self.whole.values()) | set(self.whole_steps.values())
         outside = used_outside(self.jaxpr, len(plan.leaves), owned, cut_reads, every_use_met)
         for i in outside:
@@ -398,9 +404,10 @@ class Call:
         return rows
 
 
-def _sliced_by_one_scan(jaxpr, candidates: set) -> dict:
-    """``{leaf: (scan equation, body invar)}`` for the leaves among ``candidates`` whose only use in
-    ``jaxpr`` is as one ``xs`` operand of one top-level scan: its body sees one step's slice."""
+def _in_one_scan(jaxpr, candidates: set) -> dict:
+    """``{leaf: (scan equation, body invar, stepped)}`` for the leaves among ``candidates`` whose only
+    use in ``jaxpr`` is as one operand of one top-level scan: an ``xs`` operand (``stepped``: its body
+    sees one step's slice) or a const (its body closes over the whole leaf, the same at every step)."""
     users: dict = {}
     for eqn in jaxpr.eqns:
         for k, a in enumerate(eqn.invars):
@@ -414,9 +421,9 @@ def _sliced_by_one_scan(jaxpr, candidates: set) -> dict:
             continue
         eqn, k = use
         p = _equation_params.scan_params(eqn)
-        if k >= p.num_consts + p.num_carry:
+        if k >= p.num_consts + p.num_carry or k < p.num_consts:
             body, _ = _compat.jaxpr_and_consts(p.body)
-            found[i] = (eqn, body.invars[k])
+            found[i] = (eqn, body.invars[k], k >= p.num_consts)
     return found
 
 
