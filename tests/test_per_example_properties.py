@@ -98,6 +98,7 @@ CLASSES = {
         "a position Embedding called with jnp.arange(T) inside the model (shared by every example), added (T == B or "
         "not) or meeting the examples in a matrix product (h @ pos.T)",
         variants=("T==B", "T!=B", "matmul"),
+        factors=True,
     ),
     "shared_table": Cls("a learned (T, d) table fed to a Linear inside the model; T == B or not", variants=("T==B", "T!=B")),
     "repeated": Cls("one Linear called two or three times in a row", variants=("twice", "thrice")),
@@ -115,8 +116,9 @@ CLASSES = {
         "tables read by indexing, not by calling a module (ported models): table[ids] with ids in [-V, V), "
         "jnp.take with mode fill or clip and ids past the end, a position table added as pos[:T] or "
         "pos[jnp.arange(T)] (shared by every example) or meeting the examples in a matrix product "
-        "(h @ pos[:T].T), a tied head h @ table.T",
-        variants=("ids", "negative", "take_fill", "take_clip", "slice", "arange", "slice_matmul", "tied_T"),
+        "(h @ pos[:T].T), or read in a jit body of its own (jnp.take(pos, jnp.arange(T), axis=0)) and added outside "
+        "it, a tied head h @ table.T; and the whole loss function under eqx.filter_jit (NNX: nnx.jit)",
+        variants=("ids", "negative", "take_fill", "take_clip", "slice", "arange", "slice_matmul", "jit_read", "jit_fun", "tied_T"),
         inputs=("embed",),
         factors=True,
     ),
@@ -657,6 +659,10 @@ def b_indexed_table(kit, p):
             h = h + kit.val(parts["pos"])[jnp.arange(T)]
         elif p.variant == "slice_matmul":
             h = h + jax.nn.softmax(h @ kit.val(parts["pos"])[:T].T, axis=-1) @ h
+        elif p.variant == "jit_read":  # the shared rows leave the jit body that reads them, then meet the examples
+            h = h + jax.jit(lambda pos: jnp.take(pos, jnp.arange(T), axis=0))(kit.val(parts["pos"]))
+        elif p.variant == "jit_fun":  # the whole loss function is jitted (below): the same read, inside its body
+            h = h + kit.val(parts["pos"])[:T]
         return h
 
     def fn(parts, x):
@@ -667,7 +673,8 @@ def b_indexed_table(kit, p):
     x = jax.random.randint(kit.key(), (p.B, T), low, high)
     x = x.at[0, 0].set(low).at[0, 1].set(high - 1)
     y = kit.normal(p.B, T, V if p.variant == "tied_T" else N_OUT, scale=1.0)
-    return Built(kit.model(parts, fn), lambda m, x, y: mse(kit.run(m, x), y), (x, y), {})
+    fun = lambda m, x, y: mse(kit.run(m, x), y)  # noqa: E731
+    return Built(kit.model(parts, fn), _jit(fun, p.fw) if p.variant == "jit_fun" else fun, (x, y), {})
 
 
 def b_scan_reads(kit, p):

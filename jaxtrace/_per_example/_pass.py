@@ -98,8 +98,8 @@ class Call:
         steps = {f"{plan.names[i]}{_STEPS if stepped else _REPEATS}": i for i, (_, _, stepped) in in_scans.items()}
         self.proof = prove(
             self.jaxpr, len(plan.leaves), self.batch, paths,
-            {n: r.eqn.outvars[0] for n, r in self.read_names.items() if not r.ctx}  # shared: top level only
-            | {n: self.jaxpr.invars[i] for n, i in whole.items()},
+            {n: (r.eqn.outvars[0], r.ctx) for n, r in self.read_names.items()}
+            | {n: (self.jaxpr.invars[i], ()) for n, i in whole.items()},
             {n: in_scans[i][:2] for n, i in steps.items()},
         )
         called = {i for layer in plan.layers if self.proof.occurrences.get(layer.path) for i in layer.leaves.values()}

@@ -34,8 +34,9 @@ reads both from the jaxpr of ``fun(leaves)``, never from shapes:
   meets the examples where an elementwise operation broadcasts it against a per-example
   value, where a broadcast lays it along the examples' axis (a class token concatenated to
   each example's patches), or a ``dot_general`` contracts it with one (``h @ pos.T``). ``Proof.shared`` lists
-  those places (at the program's top level; a meeting inside a call or loop body is not
-  listed, and the layer's leaves take the exact path): the pass tags the broadcast value
+  those places (at the program's top level or in ``jit`` and ``checkpoint`` bodies, followed into
+  and out of them; a meeting inside a loop or branch body is not listed, and the layer's leaves
+  take the exact path): the pass tags the broadcast value
   there (for a ``dot_general``, the shared operand broadcast along a new batch axis of the
   product), which gives each example's gradient at the shared output.
 """
@@ -90,7 +91,7 @@ class Proof:
     occurrences: dict  # layer path -> [Occurrence] in program order
     mixing: Optional[str] = None  # a sentence naming where examples interact (leaf-dependent), or None
     unproven: dict = dataclasses.field(default_factory=dict)  # layer path -> why its output is not per-example
-    shared: list = dataclasses.field(default_factory=list)  # [SharedUse] of the layers called at the top level
+    shared: list = dataclasses.field(default_factory=list)  # [SharedUse]: where shared values meet the examples
     states: dict = dataclasses.field(default_factory=dict)  # (ctx, var) -> ownership
 
     def axis_at(self, var, batch: int, ctx: tuple = ()) -> Optional[tuple[int, int]]:
@@ -124,9 +125,9 @@ class Proof:
 def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[dict] = None, in_scans: Optional[dict] = None) -> Proof:
     """Reads ``jaxpr`` (invars: the leaves, then nothing; outvar 0: the losses ``(batch,)``).
 
-    ``reads`` maps a name to the output var of a top-level equation that reads a leaf outside its
-    layers (``_reads``); where that output is shared by every example, ``Proof.shared`` also lists
-    where it meets the examples, under that name. ``in_scans`` maps a name to ``(scan equation,
+    ``reads`` maps a name to ``(var, ctx)``: the output of an equation (in the calls ``ctx``) that
+    reads a leaf outside its layers (``_reads``), or a leaf itself; where that value is shared by
+    every example, ``Proof.shared`` also lists where it meets the examples, under that name. ``in_scans`` maps a name to ``(scan equation,
     body invar)``: a top-level scan's body input (one step's slice of a leaf), whose meetings with
     the examples in that body are listed the same way.
     """
@@ -300,8 +301,8 @@ class _Analysis:
     def _operands(self, eqn, outs, ctx) -> list:
         name = eqn.primitive.name
         every = next((s for s in outs if isinstance(s, Every)), None)
-        if every is not None:
-            return [every] * len(eqn.invars)
+        if every is not None and _higher_order.kind(eqn) not in (_higher_order.CALL, _higher_order.REMAT):
+            return [every] * len(eqn.invars)  # (a jit or checkpoint body is read: a shared value in it meets the examples outside)
         if _higher_order.kind(eqn) in _higher_order.CALL_LIKE:
             got = self._body(_higher_order.body(eqn), outs, (*ctx, eqn))
             if _higher_order.kind(eqn) == _higher_order.CUSTOM and self.rules and not self._rule_keeps(eqn, outs, got):
@@ -399,44 +400,56 @@ class _Analysis:
         return got[:k] + carry + xs
 
     def shared_uses(self, jaxpr, reads: dict, in_scans: dict) -> list:
-        """Where each top-level layer output (and each read ``reads`` names, and each scan body input
-        ``in_scans`` names) that reaches every loss meets the examples; one with any other use gets
-        none (its leaves take the exact path)."""
-        starts = [(path, occ.eqn.outvars[0]) for path, occs in self.occurrences.items() for occ in occs if not occ.ctx]
-        places = [(path, var, jaxpr, ()) for path, var in [*starts, *reads.items()]]
+        """Where each layer output (and each read ``reads`` names, ``{name: (var, ctx)}``, and each scan
+        body input ``in_scans`` names) that reaches every loss meets the examples, at the top level or
+        in the ``jit`` and ``checkpoint`` bodies around it; one with any other use gets none (its leaves
+        take the exact path)."""
+        starts = [(path, occ.eqn.outvars[0], occ.ctx) for path, occs in self.occurrences.items() for occ in occs]
+        places = []
+        for path, var, ctx in [*starts, *((path, var, ctx) for path, (var, ctx) in reads.items())]:
+            down = _calls_down(jaxpr, ctx)
+            if down is not None:  # in no loop, branch or custom rule: followed out of its calls too
+                places.append((path, var, *down, ctx))
         for path, (eqn, var) in in_scans.items():
             body, _ = _compat.jaxpr_and_consts(_equation_params.scan_params(eqn).body)
-            places.append((path, var, body, (eqn,)))
+            places.append((path, var, body, (jaxpr,), (eqn,)))
         found = []
-        for path, var, where, ctx in places:
+        for path, var, where, outer, ctx in places:
             state = self.state.get((ctx, var))
             if not isinstance(state, Every) or state.kind != "shared":
                 continue
-            uses = self._meetings(where, var, [], ctx)
+            uses = self._meetings(where, var, [], ctx, outer)
             if uses is None:
                 continue
             found.extend(SharedUse(path, eqn, index, chain, ctx) for eqn, index, chain, ctx in uses)
         return found
 
-    def _meetings(self, jaxpr, var, chain, ctx) -> Optional[list]:
-        """``[(eqn, operand index, chain, ctx)]``: where ``var`` of ``jaxpr`` (in the calls ``ctx``)
-        meets the examples; None if it reaches the losses any other way."""
+    def _meetings(self, jaxpr, var, chain, ctx, outer: tuple = ()) -> Optional[list]:
+        """``[(eqn, operand index, chain, ctx)]``: where ``var`` of ``jaxpr`` (in the calls ``ctx``; ``outer``:
+        the jaxprs that hold them) meets the examples; None if it reaches the losses any other way."""
         key = id(jaxpr)
         if key not in self.users:
             self.users[key] = (jaxpr, _users(jaxpr))  # the jaxpr kept alive: its id stays its own
         users, outs = self.users[key][1]
-        if var in outs:
-            return None
         found = []
+        if var in outs:  # out of a jit or checkpoint body: on at the call's output; out of anything else: no
+            if not ctx or len(outer) != len(ctx) or not _is_call(ctx[-1]):
+                return None
+            for k, a in enumerate(jaxpr.outvars):
+                if a is var:
+                    more = self._meetings(outer[-1], ctx[-1].outvars[k], chain, ctx[:-1], outer[:-1])
+                    if more is None:
+                        return None
+                    found.extend(more)
         for eqn in users.get(var, []):
             if all(self.state.get((ctx, v)) is None for v in eqn.outvars):
                 continue  # no output of this use reaches a loss
             name = eqn.primitive.name
-            if name in _compat.INLINE_CALLS or name in _compat.REMAT:  # follow it into the call's body
+            if _is_call(eqn):  # follow it into the call's body
                 body, _ = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
                 for k, a in enumerate(eqn.invars):
                     if a is var:
-                        more = self._meetings(body, body.invars[k], chain, (*ctx, eqn))
+                        more = self._meetings(body, body.invars[k], chain, (*ctx, eqn), (*outer, jaxpr))
                         if more is None:
                             return None
                         found.extend(more)
@@ -492,6 +505,24 @@ def _pullback_jaxpr(eqn, diff_out: list):
         return vjp(full)
 
     return jax.make_jaxpr(pullback)([spec(a) for a in eqn.invars], [spec(eqn.outvars[k]) for k in diff_out])
+
+
+def _is_call(eqn) -> bool:
+    """A ``jit`` or ``checkpoint`` call: its body runs once, as if inline."""
+    name = getattr(getattr(eqn, "primitive", None), "name", None)  # (a cond branch in a ctx is a jaxpr)
+    return name in _compat.INLINE_CALLS or name in _compat.REMAT
+
+
+def _calls_down(jaxpr, ctx: tuple) -> Optional[tuple]:
+    """``(the body ctx's innermost call runs, (the jaxprs that hold each call of ctx))`` where every
+    equation of ``ctx`` is a ``jit`` or ``checkpoint`` call; else None (a loop, a branch, a custom rule)."""
+    outer = []
+    for eqn in ctx:
+        if not _is_call(eqn):
+            return None
+        outer.append(jaxpr)
+        jaxpr, _ = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
+    return jaxpr, tuple(outer)
 
 
 def _users(jaxpr) -> tuple[dict, set]:
