@@ -178,11 +178,11 @@ def _rebuild(module: eqx.Module, path: str, specs: dict) -> eqx.Module:
     return out
 
 
-def tag_equinox(model: eqx.Module, where: Where = None, *, inputs: bool = False, params_of=None) -> eqx.Module:
+def tag_equinox(model: eqx.Module, where: Where = None, *, inputs: bool = False, params_of=None, scope=None) -> eqx.Module:
     """The equinox case of ``jaxtrace.tag_modules``: a copy whose selected modules are tagged subclasses
     (``params_of``: see ``_tag_modules.tag_module_calls``)."""
     candidates = [(p, m) for p, m in _named_modules(model) if is_callable_module(m)]
     chosen = choose(candidates, where, "jaxtrace.tag_modules")
     modules = dict(candidates)
-    specs = {p: ModuleTag(p, bool(inputs), tuple(params_of(modules[p])) if params_of else ()) for p in chosen}
+    specs = {p: ModuleTag(p, bool(inputs), tuple(params_of(modules[p])) if params_of else (), scope) for p in chosen}
     return _rebuild(model, "", specs)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence, Union
 import jax
 import jax.tree_util as jtu
 
-from ._tag import tag
+from ._tag import scoped, tag
 
 __all__ = [
     "INPUT_SUFFIX",
@@ -157,18 +157,22 @@ class ModuleTag:
     path: str
     inputs: bool
     params: tuple = ()
+    scope: Any = None  # a transform's own tags (``_tag.scoped``: the per-example plan's), or the user's (None)
 
     def call(self, fn: Callable, args: tuple, kwargs: dict, *, tag_inputs: Callable, tag_output: Callable, module=None):
         """``fn(*args, **kwargs)`` with its inputs and output tagged."""
-        for name in self.params:
-            value = getattr(module, name, None)
-            if not isinstance(value, jax.Array) and value is not None:  # an nnx.Variable: its array
-                value = value.get_value() if hasattr(value, "get_value") else getattr(value, "value", None)
-            if isinstance(value, jax.Array):
-                tag(value, self.path + PARAMS_SUFFIX + name, repeated=True)
-        if self.inputs:
-            args = tag_inputs(tuple(args), self.path + INPUT_SUFFIX)
-        return tag_output(fn(*args, **kwargs), self.path)
+        with scoped(self.scope):  # its own tags only: the module's body may hold the user's
+            for name in self.params:
+                value = getattr(module, name, None)
+                if not isinstance(value, jax.Array) and value is not None:  # an nnx.Variable: its array
+                    value = value.get_value() if hasattr(value, "get_value") else getattr(value, "value", None)
+                if isinstance(value, jax.Array):
+                    tag(value, self.path + PARAMS_SUFFIX + name, repeated=True)
+            if self.inputs:
+                args = tag_inputs(tuple(args), self.path + INPUT_SUFFIX)
+        out = fn(*args, **kwargs)
+        with scoped(self.scope):
+            return tag_output(out, self.path)
 
 
 # --- the tagged subclass -----------------------------------------------------

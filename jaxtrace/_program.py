@@ -15,7 +15,7 @@ from . import _compat, _higher_order
 from ._sites import Site
 from ._split_rules import NO_SITES, RULES, Unsupported
 from ._stacking import stack_calls
-from ._tag import is_tag
+from ._tag import is_tag, open_scopes, visible
 
 __all__ = ["Level", "Program"]
 
@@ -34,6 +34,7 @@ class Program:
 
     def __init__(self, jaxpr):
         self.jaxpr, self.consts = _compat.jaxpr_and_consts(jaxpr)
+        self.scopes = open_scopes()  # another transform's own tags (``_tag.scoped``) are not sites here
         self._levels: dict[int, tuple[Any, Level]] = {}
         self.sites: dict = self.level(self.jaxpr).sites
 
@@ -61,7 +62,7 @@ class Program:
 
     def _eqn_sites(self, eqn) -> dict:
         if is_tag(eqn):
-            return _tag_site(eqn)
+            return _tag_site(eqn) if visible(eqn, self.scopes) else NO_SITES
         rule = RULES.get(_higher_order.kind(eqn))  # type: ignore[arg-type]
         if rule is not None:
             return rule.sites(self, eqn)

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _compat
 
-__all__ = ["evaluated_tags", "is_tag", "site_value", "tag", "tag_p"]
+__all__ = ["evaluated_tags", "is_tag", "new_scope", "opened", "scoped", "site_value", "tag", "tag_p", "visible"]
 
 T = TypeVar("T")
 
@@ -184,8 +184,10 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
                 "arrays); mark other leaves static, e.g. with equinox.partition."
             )
     call = next(_CALLS)  # one identity per call: JAX's copies of this equation keep it
+    scope = _SCOPE.get()
+    extra = {} if scope is None else {"scope": scope}
     tagged = [
-        tag_p.bind(jnp.asarray(leaf), name=name, leaf=i, tree=tree, repeated=bool(repeated), batch_axes=(), call=call)
+        tag_p.bind(jnp.asarray(leaf), name=name, leaf=i, tree=tree, repeated=bool(repeated), batch_axes=(), call=call, **extra)
         for i, leaf in enumerate(leaves)
     ]
     lost = _EVALUATED.get()
@@ -195,6 +197,52 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
 
 
 _EVALUATED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxtrace_evaluated", default=None)
+
+# --- scopes: tags a jaxtrace transform places for its own use -----------------------
+#
+# A transform that tags the model itself (the per-example plan: every covered layer's input,
+# output and parameters) binds those tags in a scope of its own. Only a transform running
+# while that scope is open finds them; any other, around it or after it, sees the program
+# as the user wrote it, with the user's tags only.
+
+_SCOPES = itertools.count(1)
+_SCOPE: contextvars.ContextVar[int | None] = contextvars.ContextVar("jaxtrace_tag_scope", default=None)
+_OPEN: contextvars.ContextVar[frozenset] = contextvars.ContextVar("jaxtrace_open_scopes", default=frozenset())
+
+
+def new_scope() -> int:
+    """A scope of its own, for ``scoped`` and ``opened``."""
+    return next(_SCOPES)
+
+
+@contextlib.contextmanager
+def scoped(scope: int | None):
+    """The tags ``tag`` binds in this block belong to ``scope`` (``None``: the user's, seen by every transform)."""
+    token = _SCOPE.set(scope)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+@contextlib.contextmanager
+def opened(scope: int):
+    """The tags of ``scope`` are found by the transforms that trace in this block."""
+    token = _OPEN.set(_OPEN.get() | {scope})
+    try:
+        yield
+    finally:
+        _OPEN.reset(token)
+
+
+def visible(eqn, scopes: frozenset) -> bool:
+    """Whether the tag equation ``eqn`` is a site for a transform that traced with ``scopes`` open."""
+    scope = eqn.params.get("scope")
+    return scope is None or scope in scopes
+
+
+def open_scopes() -> frozenset:
+    return _OPEN.get()
 
 
 @contextlib.contextmanager

@@ -62,13 +62,16 @@ def tag_modules(model: Any, where: Where = None, *, inputs: bool = False) -> Any
     return tag_module_calls(model, where, inputs=inputs)
 
 
-def tag_module_calls(model: Any, where: Where = None, *, inputs: bool = False, params_of: Callable | None = None) -> Any:
+def tag_module_calls(
+    model: Any, where: Where = None, *, inputs: bool = False, params_of: Callable | None = None, scope=None
+) -> Any:
     """``tag_modules``, and with ``params_of(module) -> attribute names`` each selected module also marks
-    those parameters where it reads them (``ModuleTag.params``)."""
+    those parameters where it reads them (``ModuleTag.params``); ``scope``: the tags are a transform's
+    own (``_tag.scoped``), found only while it traces."""
     if is_nnx_module(model):
         from .flax._nnx import tag_modules as tag_nnx  # imports Flax, which an nnx model has loaded
 
-        return tag_nnx(model, where, inputs=inputs, params_of=params_of)
+        return tag_nnx(model, where, inputs=inputs, params_of=params_of, scope=scope)
     if is_linen_module(model):
         raise TypeError(
             "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
@@ -80,4 +83,4 @@ def tag_module_calls(model: Any, where: Where = None, *, inputs: bool = False, p
             f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
             "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
         )
-    return tag_equinox(model, where, inputs=inputs, params_of=params_of)
+    return tag_equinox(model, where, inputs=inputs, params_of=params_of, scope=scope)

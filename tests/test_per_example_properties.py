@@ -165,7 +165,7 @@ CLASSES = {
         variants=("vmap_vjp", "vmap_jvp", "relu_softmax", "clip"),
     ),
 }
-COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint", "vmap", "jvp")
+COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint", "vmap", "jvp", "jt_grad")
 
 # Classes ("name") or variants ("name:variant") known to fail: not drawn, their tests skip
 # (``JAXTRACE_RUN_KNOWN_FAILING=1`` draws them anyway). Reverting the proof-based rewrite of
@@ -1003,6 +1003,7 @@ COMPOSE_FIRST = {
     "checkpoint": "custom_rule_mixing",
     "vmap": "indexed_table",
     "jvp": "custom_rule_mixing",
+    "jt_grad": "scan_reads",
 }
 
 
@@ -1054,6 +1055,37 @@ def check_composition(around, p: Prog):
         _, tangent = jax.jvp(ours, (diff,), (probe,))
         _, expected = jax.jvp(definition, (diff,), (probe,))
         close(tangent, expected, "jax.jvp of the total norms and of a projection of the clipped sum")
+    elif around == "jt_grad":
+        # jt.grad around both transforms, with the user's own tag on the float input: its gradient and the
+        # leaves' are those of the definition; the tags the transforms place for themselves stay theirs
+        probe = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), diff)
+        dot = lambda g: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(probe)))  # noqa: E731
+        floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
+        k = floats[0] if floats else None
+
+        def with_x(a, x):
+            return a if k is None else (*a[:k], x, *a[k + 1 :])
+
+        def tagged(m, *a, **kw):
+            return fun(m, *with_x(a, jt.tag(a[k], "x", repeated=True) if k is not None else None), **kw)
+
+        def ours(d):
+            model = rebuild(d)
+            total = jt.per_example_norms(tagged, total=True)(model, *args, **kwargs)[1]
+            return jnp.sum(total) + dot(jt.clipped_grad(tagged, c)(model, *args, **kwargs)[1])
+
+        def definition(d, x):
+            ref = oracle_per_example(fun, rebuild(d), *with_x(args, x), **kwargs)
+            return jnp.sum(ref.total) + dot(ref.clipped(c))
+
+        grads, tag_grads = jt.grad(ours)(diff)
+        assert set(tag_grads) == ({"x"} if k is not None else set()), f"jt.grad around the transforms found the tags {sorted(tag_grads)}"
+        x0 = args[k] if k is not None else jnp.zeros(())
+        expected, expected_x = jax.grad(definition, argnums=(0, 1))(diff, x0)
+        close(grads, expected, "jt.grad around the transforms: the leaves' gradients")
+        if k is not None:
+            # one value per call of ``fun`` (each transform calls it): a shared ``+ eps`` sees their sum
+            close(jnp.sum(tag_grads["x"], axis=0), expected_x, "jt.grad around the transforms: the gradient at the user's tag")
     elif around == "grad_clipped":
         probe = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), diff)
         dot = lambda g: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(probe)))  # noqa: E731

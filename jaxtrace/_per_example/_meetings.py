@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from .. import _compat, _equation_params, _higher_order
 from .._module_tags import INPUT_SUFFIX
 from .._splice import bind_equation
-from .._tag import tag as _tag
+from .._tag import scoped, tag as _tag
 
 __all__ = ["Replay", "shared_gradient"]
 
@@ -45,10 +45,12 @@ class Replay:
     batch: int
     shared_names: dict
     reads: dict
+    scope: object = None  # the scope of the tags it adds (``_tag.scoped``): the pass's own
 
     def __call__(self, leaves):
         at, inline = self._places
-        outs = self._run(self.jaxpr, self.consts, leaves, (), at, inline)
+        with scoped(self.scope):
+            outs = self._run(self.jaxpr, self.consts, leaves, (), at, inline)
         return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
     @functools.cached_property

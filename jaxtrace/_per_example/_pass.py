@@ -25,6 +25,7 @@ from .. import _compat, _equation_params, _higher_order
 from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
+from .._tag import opened
 from ._factors import Use, examples_first, positions_over_steps
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
@@ -134,11 +135,14 @@ class Call:
         names |= set(self.reads) | {n + INPUT_SUFFIX for n in self.reads}
         run = self._traced  # the program again, with tags at the meetings and reads where there are any:
         if self.proof.shared or self.reads:
-            run = Replay(self.jaxpr, self.consts, self._out_tree, self.proof, self.batch, self.shared_names, self.reads)
-        self.losses, self.pullback, (self.aux, self.state), self.values = _vjp(
-            lambda leaves: _losses_first(run(leaves), has_aux), plan.leaves, with_values=True, has_aux=True,
-            tags=lambda n: n in names,
-        )
+            run = Replay(
+                self.jaxpr, self.consts, self._out_tree, self.proof, self.batch, self.shared_names, self.reads, plan.scope
+            )
+        with opened(plan.scope):  # the plan's tags and the replay's are this pass's: no transform around it sees them
+            self.losses, self.pullback, (self.aux, self.state), self.values = _vjp(
+                lambda leaves: _losses_first(run(leaves), has_aux), plan.leaves, with_values=True, has_aux=True,
+                tags=lambda n: n in names,
+            )
 
     def _proven_reads(self) -> tuple[dict, dict]:
         """``({tag name: Read}, {leaf: why its reads are not on factors})``: the reads of a leaf by one

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from .._frameworks import is_equinox_module, is_nnx_module
 from .._paths import key_name, path_name
+from .._tag import new_scope
 from .._tag_modules import tag_module_calls
 from ._rules import Rule, ensure_rules, rule_for
 
@@ -50,6 +51,7 @@ class Plan:
     blocked: set  # leaf indices that no rule may claim (an eqx.nn.Shared we could not resolve)
     state_of: Callable = lambda model: ()  # the model after a call -> the state it changed (NNX: RNG counts, statistics)
     write_back: Callable = lambda state: None  # that state -> written into the user's model, as nnx.grad does
+    scope: Any = None  # the scope of the layers' tags (``_tag.scoped``): seen by the pass only, not by transforms around it
 
 
 def plan_for(model) -> Plan:
@@ -67,7 +69,8 @@ def plan_for(model) -> Plan:
     adapter = _adapter_for(model)
     ensure_rules(adapter.package)
     records: list = []
-    tagged = tag_module_calls(model, where=_record(records), inputs=True, params_of=lambda m: rule_for(m).params(m))
+    scope = new_scope()
+    tagged = tag_module_calls(model, where=_record(records), inputs=True, params_of=lambda m: rule_for(m).params(m), scope=scope)
     frame = adapter(model, tagged)
     diff = [i for i, (_, leaf) in enumerate(frame.flat) if frame.differentiated(leaf)]
     rank = {i: r for r, i in enumerate(diff)}
@@ -82,6 +85,7 @@ def plan_for(model) -> Plan:
         owners=[frame.owner(frame.flat[i][0]) for i in diff],
         blocked={rank[i] for i in frame.blocked if i in rank},
         **frame.rebuild(diff),
+        scope=scope,
     )
 
 

@@ -114,7 +114,7 @@ def named_modules(model: nnx.Module) -> list:
     return out
 
 
-def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False, params_of=None) -> nnx.Module:
+def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False, params_of=None, scope=None) -> nnx.Module:
     """The Flax NNX case of ``jaxtrace.tag_modules``; see its docstring (``params_of``: see
     ``jaxtrace._tag_modules.tag_module_calls``)."""
     named = [(name, path, m) for name, path, m in named_modules(model) if is_callable_module(m)]
@@ -125,5 +125,5 @@ def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False,
     for name in chosen:
         module = nodes[paths[name]]
         params = tuple(params_of(module)) if params_of else ()
-        module.__class__ = _tagged_class(type(module), ModuleTag(name, bool(inputs), params))
+        module.__class__ = _tagged_class(type(module), ModuleTag(name, bool(inputs), params, scope))
     return tagged
