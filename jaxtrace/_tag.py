@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _compat
 
-__all__ = ["evaluated_tags", "is_tag", "new_scope", "opened", "scoped", "site_value", "tag", "tag_p", "visible"]
+__all__ = ["evaluated_tags", "is_tag", "new_scope", "open_scopes", "opened", "scoped", "site_value", "tag", "tag_p", "visible"]
 
 T = TypeVar("T")
 

@@ -86,6 +86,13 @@ def test_position_embedding_inside_vmap_is_on_factors(jit):
     check(last_token_losses, GPT(KEYS[1]), IDS, jit=jit)
 
 
+@pytest.mark.parametrize("wrap", ["eqx.filter_jit", "checkpoint"])
+def test_position_embedding_of_a_jitted_or_checkpointed_loss_function_is_on_factors(wrap):
+    """The whole loss in one call body: the position rows meet the examples inside it."""
+    losses = {"eqx.filter_jit": eqx.filter_jit, "checkpoint": jax.checkpoint}[wrap](lm_losses)
+    check(losses, GPT(KEYS[1]), IDS, jit=True)
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_negative_embedding_ids_select_rows_from_the_end(jit):
     ids = IDS.at[0, 0].set(-1).at[0, 1].set(V - 1)  # the same row twice in one example

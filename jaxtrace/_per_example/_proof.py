@@ -301,7 +301,7 @@ class _Analysis:
     def _operands(self, eqn, outs, ctx) -> list:
         name = eqn.primitive.name
         every = next((s for s in outs if isinstance(s, Every)), None)
-        if every is not None and _higher_order.kind(eqn) not in (_higher_order.CALL, _higher_order.REMAT):
+        if every is not None and not _is_call(eqn):
             return [every] * len(eqn.invars)  # (a jit or checkpoint body is read: a shared value in it meets the examples outside)
         if _higher_order.kind(eqn) in _higher_order.CALL_LIKE:
             got = self._body(_higher_order.body(eqn), outs, (*ctx, eqn))
@@ -446,7 +446,7 @@ class _Analysis:
                 continue  # no output of this use reaches a loss
             name = eqn.primitive.name
             if _is_call(eqn):  # follow it into the call's body
-                body, _ = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
+                body, _ = _compat.jaxpr_and_consts(_higher_order.body(eqn))
                 for k, a in enumerate(eqn.invars):
                     if a is var:
                         more = self._meetings(body, body.invars[k], chain, (*ctx, eqn), (*outer, jaxpr))
@@ -509,8 +509,7 @@ def _pullback_jaxpr(eqn, diff_out: list):
 
 def _is_call(eqn) -> bool:
     """A ``jit`` or ``checkpoint`` call: its body runs once, as if inline."""
-    name = getattr(getattr(eqn, "primitive", None), "name", None)  # (a cond branch in a ctx is a jaxpr)
-    return name in _compat.INLINE_CALLS or name in _compat.REMAT
+    return hasattr(eqn, "primitive") and _higher_order.kind(eqn) in (_higher_order.CALL, _higher_order.REMAT)  # (a cond branch in a ctx is a jaxpr)
 
 
 def _calls_down(jaxpr, ctx: tuple) -> Optional[tuple]:
@@ -521,7 +520,7 @@ def _calls_down(jaxpr, ctx: tuple) -> Optional[tuple]:
         if not _is_call(eqn):
             return None
         outer.append(jaxpr)
-        jaxpr, _ = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
+        jaxpr, _ = _compat.jaxpr_and_consts(_higher_order.body(eqn))
     return jaxpr, tuple(outer)
 
 
