@@ -488,3 +488,26 @@ def test_shared_rows_read_in_a_jit_body_meet_the_examples_outside_it():
 
     k = jax.random.split(KEYS[6], 2)
     check(lm_losses, JitRead(jax.random.normal(k[0], (V, D)), jax.random.normal(k[1], (T + 1, D))), ids_with_ends(), jit=True)
+
+
+def test_jax_nn_dot_product_attention_is_on_factors_to_its_float32_softmax():
+    """``jax.nn.dot_product_attention`` takes its softmax in float32 whatever the dtype, so in float64
+    the definition itself holds to float32 rounding there (``vmap(grad)`` and ``jacrev`` differ by
+    ~1e-7): on factors, and as close to ``jacrev`` as ``vmap(grad)`` is."""
+
+    class Attention(eqx.Module):
+        wpe: jax.Array
+        qkv: eqx.nn.Linear
+        out: eqx.nn.Linear
+
+        def __call__(self, x):
+            h = x + self.wpe[jnp.arange(x.shape[0])]
+            q, k, v = jnp.split(jax.vmap(self.qkv)(h).reshape(x.shape[0], 2, -1), 3, axis=-1)
+            return jax.vmap(self.out)(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape[0], -1))
+
+    k = jax.random.split(KEYS[7], 4)
+    model = Attention(jax.random.normal(k[0], (T, 6)), eqx.nn.Linear(6, 18, key=k[1]), eqx.nn.Linear(6, 2, key=k[2]))
+    x = jax.random.normal(k[3], (B, T, 6))
+    losses = lambda m, x: jnp.sum(jnp.tanh(jax.vmap(m)(x)) ** 2, axis=(1, 2))  # noqa: E731
+    assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(model)} == {np.dtype(np.float64)}
+    check(losses, model, x, jit=True, rtol=2e-6)
