@@ -345,10 +345,11 @@ def test_nnx_multi_head_attention_is_on_factors():
     rows = jax.jacrev(lambda p: losses(nnx.merge(graphdef, p, rest), x))(params)
     sq_ref = jax.tree_util.tree_map(lambda j: jnp.sum(j.reshape(B, -1) ** 2, axis=1), rows)
     scale = max(float(jnp.max(e)) for e in jax.tree_util.tree_leaves(sq_ref))
-    # To 1e-6, not 1e-10: this attention's key-projection norms move by up to 1.4e-7 relative
-    # between two programs for the same gradient (measured: compiled against eager jax.jacrev,
-    # 5e-8 on JAX 0.10 and 0.12; jaxtrace eager against eager jax.jacrev, 1.4e-7 on JAX 0.7.2).
-    # A wrong factor is off by order one.
+    # To 1e-6, not 1e-10: without dropout nnx's attention calls jax.nn.dot_product_attention, whose
+    # softmax is float32 whatever the dtype, so the key-projection norms move by up to 1.4e-7 relative
+    # between two programs for the same gradient (measured: compiled against eager jax.jacrev, 5e-8 on
+    # JAX 0.10 and 0.12; jaxtrace eager against eager jax.jacrev, 1.4e-7 on JAX 0.7.2; and the test
+    # below). A wrong factor is off by order one.
     for run, rtol in ((jt.per_example_norms(losses, fallback="error"), 1e-6), (nnx.jit(jt.per_example_norms(losses, fallback="error")), 1e-6)):
         _, sq = run(model, x)
         for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref), strict=True):
@@ -511,3 +512,32 @@ def test_jax_nn_dot_product_attention_is_on_factors_to_its_float32_softmax():
     losses = lambda m, x: jnp.sum(jnp.tanh(jax.vmap(m)(x)) ** 2, axis=(1, 2))  # noqa: E731
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(model)} == {np.dtype(np.float64)}
     check(losses, model, x, jit=True, rtol=2e-6)
+
+
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell"])
+def test_nnx_recurrent_cells_in_nnx_rnn_are_on_factors(cell):
+    """``nnx.RNN`` scans its cell with ``nnx.scan`` (and draws its initial carry from its own ``Rngs``,
+    a state it writes): the cell's kernels and biases, closed over by the scan, are on factors."""
+    from flax import nnx
+    from per_example_oracle import oracle_per_example
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            kw = dict(rngs=rngs, param_dtype=jnp.float64, dtype=jnp.float64)
+            self.rnn = nnx.RNN(getattr(nnx, cell)(D, D, **kw))
+            self.head = nnx.Linear(D, 2, **kw)
+
+        def __call__(self, x):
+            return self.head(self.rnn(x))
+
+    model, x = Model(nnx.Rngs(0)), jax.random.normal(KEYS[1], (B, T, D))
+
+    def losses(m, x):
+        return jnp.sum(jnp.tanh(m(x)) ** 2, axis=(1, 2))
+
+    ref = oracle_per_example(losses, model, x)
+    for run in (jt.per_example_norms(losses, fallback="error"), nnx.jit(jt.per_example_norms(losses, fallback="error"))):
+        _, sq = run(model, x)
+        assert jax.tree_util.tree_structure(sq) == jax.tree_util.tree_structure(ref.sq_norms)
+        for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(ref.sq_norms), strict=True):
+            np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12 * float(jnp.max(ref.total)))
