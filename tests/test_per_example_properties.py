@@ -28,8 +28,8 @@ two batches at once) and ``jax.jvp`` around the transforms.
 Classes the current implementation gets wrong are in ``KNOWN_FAILING``: their tests skip
 with that reason (empty the set as fixes land; each class's docstring in ``CLASSES`` says
 what it draws). Profiles as in ``test_properties.py`` (``JAXTRACE_HYPOTHESIS_PROFILE``):
-``quick`` (the default run) draws one program per class, ``ci`` (``--long``) six (each
-program run eager and under jit: about 7 minutes on two cores for 31 classes and 6 compositions);
+``quick`` (the default run) draws one program per class, ``ci`` (``--long``) six; each program
+runs once, eager or under jit as drawn (``large``: a hundred, each both ways);
 ``JAXTRACE_PER_EXAMPLE_PROGRAMS=n`` sets the number per class.
 """
 
@@ -127,8 +127,14 @@ CLASSES = {
         "matrix product: h @ w, jnp.einsum, h @ w.T, inside a jit body, in a reversed scan, or the same stack scanned "
         "twice, with a stacked (L, d) bias added per step; or a raw "
         "(d, d) weight the scan body closes over and reads at every step (a recurrent weight), beside the slice, "
-        "with or without a (d,) bias it closes over and adds at every step",
-        variants=("matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent", "recurrent_bias", "bias"),
+        "with or without a (d,) bias it closes over and adds at every step; or nested scans: the scan over the "
+        "layers outside a recurrence over the positions that closes over each layer's slices (stacked RNN "
+        "layers), or a recurrence over the positions outside the scan over the layers (a multi-layer cell), "
+        "a recurrent weight and bias closed over by both",
+        variants=(
+            "matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent", "recurrent_bias", "bias",
+            "nested_layers", "nested_time",
+        ),
         factors=True,
     ),
     "negative_ids": Cls("Embedding ids in [-V, V), with -1 and V-1 in one example", inputs=("embed",)),
@@ -689,7 +695,13 @@ def b_scan_reads(kit, p):
         "recurrent_bias": lambda h, w: h @ w,
         "reverse": lambda h, w: h @ w,
         "bias": lambda h, w: h @ w,
+        "nested_layers": lambda h, w: h @ w,
+        "nested_time": lambda h, w: h @ w,
     }[p.variant]
+
+    def over_time(h, step):  # a recurrence along the positions axis (-2): eqx's (T, d), NNX's (B, T, d)
+        c0 = jnp.zeros(h.shape[:-2] + h.shape[-1:], h.dtype)
+        return jnp.moveaxis(lax.scan(lambda c, x: (step(c, x),) * 2, c0, jnp.moveaxis(h, -2, 0))[1], 0, -2)
 
     def middle(parts, h):
         stack, rec, bias, cbias = (kit.val(parts[k]) for k in ("stack", "rec", "bias", "cbias"))
@@ -699,6 +711,14 @@ def b_scan_reads(kit, p):
         }.get(p.variant, lambda h: 0.0)
         if p.variant == "bias":  # each step's (d,) slice added as it is
             return lax.scan(lambda h, wb: (jnp.tanh(product(h, wb[0]) + wb[1]), None), h, (stack, bias))[0]
+        if p.variant == "nested_layers":  # each layer's slices read at every position
+            layer = lambda h, wb: (over_time(h, lambda c, x: jnp.tanh(product(x, wb[0]) + 0.5 * c + wb[1])), None)  # noqa: E731
+            return lax.scan(layer, h, (stack, bias))[0]
+        if p.variant == "nested_time":  # at every position, the layers in turn; rec and cbias in both bodies
+            layers = lambda c, x: lax.scan(  # noqa: E731
+                lambda y, wb: (jnp.tanh(product(y, wb[0]) + wb[1] + c @ rec.T + cbias), None), x, (stack, bias)
+            )[0]
+            return over_time(h, layers)
         for _ in range(2 if p.variant == "two_scans" else 1):
             h, _ = lax.scan(lambda h, w: (jnp.tanh(product(h, w) + extra(h)), None), h, stack, reverse=p.variant == "reverse")
         return h
@@ -897,8 +917,9 @@ def programs(draw, classes, first=None):
         d=draw(st.integers(2, 3)),
         seed=draw(st.integers(0, 2**16)),
         raw=draw(st.sampled_from((True, False))),
-        # the quick profile runs each program once, eager or under jit; the others both
-        mode=draw(st.sampled_from(("eager", "jit"))) if _PROFILE == "quick" else "both",
+        # quick and ci run each program once, eager or under jit (ci's six a class draw both modes);
+        # large runs each both ways
+        mode="both" if _PROFILE == "large" else draw(st.sampled_from(("eager", "jit"))),
     )
 
 

@@ -222,7 +222,8 @@ def test_stacked_reads_inside_vmap_jit_and_grad():
 
 def test_stacked_reads_the_rules_do_not_cover_keep_the_exact_path():
     """A stack the body closes over and indexes (its rows: the same for every example), a slice
-    also added as it is, a scan nested in a scan, a stacked bias also used outside its scan: exact, and ``fallback="error"`` names each leaf;
+    also added as it is, a leaf stacked twice scanned over by a scan nested in a scan over it, a stacked bias also used
+    outside its scan: exact, and ``fallback="error"`` names each leaf;
     the others stay on factors, a scan in reverse too (its tags stack in the order of ``xs``)."""
 
     class Loops(eqx.Module):
@@ -230,7 +231,7 @@ def test_stacked_reads_the_rules_do_not_cover_keep_the_exact_path():
         rev: jax.Array  # read per step in a reversed scan: factors
         closed: jax.Array  # closed over and indexed by the step
         added: jax.Array  # read per step, and its slice added as it is
-        nested: jax.Array  # (L, L, D, D) read in an inner scan
+        nested: jax.Array  # (L, L, D, D): each step's (L, D, D) slice scanned over again
         bias: jax.Array  # (L, D) added per step, and summed outside the scan too
 
         def __call__(self, x):
@@ -450,6 +451,48 @@ def test_recurrent_cells_biases_included_are_on_factors(cell):
     model = jax.tree_util.tree_map(lambda a: a + 0.1 if eqx.is_inexact_array(a) else a, model)  # biases off zero
     x, y = jax.random.normal(k[2], (B, T, D)), jax.random.normal(KEYS[5], (B, T, 2))
     check(lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2, axis=(1, 2)), model, x, y, jit=True)
+
+
+class DeepRecurrent(eqx.Module):
+    """Recurrent layers in nested scans: ``layers_outer``, stacked cells (``eqx.filter_vmap``) run by a scan over
+    the layers, each running its cell over the positions (a stacked RNN); ``time_outer``, at each position the
+    stacked layers in turn (a multi-layer cell), beside a weight and a bias both scans close over."""
+
+    cells: eqx.nn.GRUCell  # stacked: each leaf (L, ...)
+    w: jax.Array  # (D, D), used by both scans of ``time_outer``
+    b: jax.Array  # (D,)
+    head: eqx.nn.Linear
+    layout: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.cells, eqx.is_array)
+        if self.layout == "layers_outer":
+            def layer(xs, p):
+                cell = eqx.combine(p, static)
+                return jax.lax.scan(lambda h, x_t: (cell(x_t, h),) * 2, jnp.zeros(D), xs)[1], None
+
+            hs = jax.lax.scan(layer, x, params)[0]
+        else:
+            def position(h, x_t):
+                def layer(y, p):
+                    return eqx.combine(p, static)(y, jnp.tanh(h @ self.w + self.b)), None
+
+                return (jax.lax.scan(layer, x_t, params)[0],) * 2
+
+            hs = jax.lax.scan(position, jnp.zeros(D), x)[1]
+        return jax.vmap(self.head)(hs)
+
+
+@pytest.mark.parametrize("layout", ["layers_outer", "time_outer"])
+def test_recurrent_layers_in_nested_scans_are_on_factors(layout):
+    """Each layer's slice of a stacked leaf, read at every position by the inner (or outer) scan: its factors are
+    the positions' side by side, one parameter per layer; a leaf both scans close over sums over both."""
+    k = jax.random.split(KEYS[3], 5)
+    cells = eqx.filter_vmap(lambda kk: eqx.nn.GRUCell(D, D, key=kk))(jax.random.split(k[0], 3))
+    model = DeepRecurrent(cells, 0.5 * jax.random.normal(k[1], (D, D)), jax.random.normal(k[2], (D,)), eqx.nn.Linear(D, 2, key=k[3]), layout)
+    model = jax.tree_util.tree_map(lambda a: a + 0.1 if eqx.is_inexact_array(a) else a, model)  # biases off zero
+    x = jax.random.normal(k[4], (B, T, D))
+    check(lambda m, x: jnp.sum(jnp.tanh(jax.vmap(m)(x)) ** 2, axis=(1, 2)), model, x, jit=True)
 
 
 def test_a_closed_over_bias_also_used_outside_its_scan_keeps_the_exact_path():

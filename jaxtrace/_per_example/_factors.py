@@ -14,7 +14,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HIGHEST", "Index", "Use", "examples_first", "positions_over_steps", "sq_norm", "weighted_sum"]
+__all__ = ["HIGHEST", "Index", "Use", "examples_first", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -67,6 +67,20 @@ def positions_over_steps(use: Use) -> Use:
     """One ``Use`` from a ``Use`` per loop step (each array with a leading steps axis ``S``): the
     steps' positions side by side, ``(B, S * K, ...)``, as one use of the leaf read at every step."""
     return jax.tree_util.tree_map(lambda t: jnp.moveaxis(t, 0, 1).reshape(t.shape[1], -1, *t.shape[3:]), use)
+
+
+def over_loops(factors, loops: tuple, x, g) -> Optional[Use]:
+    """The ``Use`` of a leaf read in the body of nested scans ``loops`` (outermost first: ``"stepped"``,
+    a scan over the leaf's leading axis, its body reading one step's slice; ``"repeated"``, a scan whose
+    body closes over it), from the values ``x`` and gradients ``g`` recorded there (one leading axis per
+    loop) and ``factors(x, g)`` of one step's. The repeated loops' positions lie side by side; a stepped
+    loop (at most one) keeps its steps on a leading axis, each step's slice a parameter of its own."""
+    if not loops:
+        return factors(x, g)
+    use = jax.vmap(lambda xs, gs: over_loops(factors, loops[1:], xs, gs))(x, g)
+    if use is None or loops[0] == "stepped":
+        return use
+    return jax.vmap(positions_over_steps, in_axes=1)(use) if "stepped" in loops[1:] else positions_over_steps(use)
 
 
 def _k(f) -> int:

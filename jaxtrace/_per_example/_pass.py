@@ -26,7 +26,7 @@ from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
 from .._tag import opened
-from ._factors import Use, examples_first, positions_over_steps
+from ._factors import Use, examples_first, over_loops
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
 from ._plan import plan_for
@@ -95,8 +95,9 @@ class Call:
         }
         read = {r.leaf for r in self.read_names.values()}
         whole = {f"{plan.names[i]}{_WHOLE}": i for i in range(len(plan.leaves)) if i not in read}
-        in_scans = _in_one_scan(self.jaxpr, set(whole.values()))
-        steps = {f"{plan.names[i]}{_STEPS if stepped else _REPEATS}": i for i, (_, _, stepped) in in_scans.items()}
+        in_scans = _in_scans(self.jaxpr, set(whole.values()))
+        steps = {f"{plan.names[i]}{_STEPS if 'stepped' in loops else _REPEATS}": i for i, (_, _, loops) in in_scans.items()}
+        self.scan_loops = {n: in_scans[i][2] for n, i in steps.items()}
         self.proof = prove(
             self.jaxpr, len(plan.leaves), self.batch, paths,
             {n: (r.eqn.outvars[0], r.ctx) for n, r in self.read_names.items()}
@@ -284,10 +285,10 @@ class Call:
                 g = tag_cts.get(name)
                 axis, inner = self.proof.axis_at(read.eqn.outvars[0], self.batch, read.ctx)
                 dt = jnp.promote_types(dtypes[i], _compute_dtype(g.dtype)) if isinstance(g, jax.Array) else None
-                if isinstance(g, jax.Array) and (read.stepped or read.repeated):  # in a scan: (steps, ...) values
-                    use = jax.vmap(lambda xs, gs: read.factors(xs, gs, axis, inner, dt))(x, g)
-                    if use is not None:  # a Use per step: of its own slice, or more positions of the whole leaf
-                        use = ("steps", use) if read.stepped else positions_over_steps(use)
+                if isinstance(g, jax.Array) and read.loops:  # in scans: (steps, ...) values, per scan
+                    use = over_loops(lambda xs, gs: read.factors(xs, gs, axis, inner, dt), read.loops, x, g)
+                    if use is not None and "stepped" in read.loops:  # a Use per step of its own slice
+                        use = ("steps", use)
                 elif isinstance(g, jax.Array):
                     use = read.factors(x, g, axis, inner, dt)
             if use is None:
@@ -299,17 +300,18 @@ class Call:
             shape = jnp.shape(plan.leaves[i])
             g = sum(shared_gradient(tag_cts[n], u, shape, self.proof, self.batch) for n, u in self.shared_names[name])
             uses.setdefault(i, []).append(Use(g.reshape(self.batch, 1, -1).astype(dtypes[i]), None))
-        for name, i in self.whole_steps.items():  # the cotangents stack one per step
-            repeated = name.endswith(_REPEATS)
-            shape = jnp.shape(plan.leaves[i])[0 if repeated else 1 :]
-            g = sum(
-                jax.vmap(lambda c, u=u: shared_gradient(c, u, shape, self.proof, self.batch))(tag_cts[n])
-                for n, u in self.shared_names[name]
-            )
-            if repeated:  # the whole leaf at every step: each example's gradient sums over the steps
-                uses.setdefault(i, []).append(Use(g.sum(0).reshape(self.batch, 1, -1).astype(dtypes[i]), None))
-            else:  # each step's own slice
+        for name, i in self.whole_steps.items():  # the cotangents stack one axis per scan around the meeting
+            loops = self.scan_loops[name]
+            stepped = "stepped" in loops
+            shape = jnp.shape(plan.leaves[i])[1 if stepped else 0 :]
+            g = sum(_over_steps(lambda c, u=u: shared_gradient(c, u, shape, self.proof, self.batch), len(loops))(tag_cts[n])
+                    for n, u in self.shared_names[name])
+            # the whole leaf at every step of a scan that closes over it: each example's gradient sums over those steps
+            g = g.sum(tuple(k for k, kind in enumerate(loops) if kind == "repeated"))
+            if stepped:  # each step's own slice
                 uses.setdefault(i, []).append(("steps", Use(g.reshape(g.shape[0], self.batch, 1, -1).astype(dtypes[i]), None)))
+            else:
+                uses.setdefault(i, []).append(Use(g.reshape(self.batch, 1, -1).astype(dtypes[i]), None))
         every_use_met = set(self.whole.values()) | set(self.whole_steps.values())
         outside = used_outside(self.jaxpr, len(plan.leaves), owned, cut_reads, every_use_met)
         for i in outside:
@@ -408,27 +410,39 @@ class Call:
         return rows
 
 
-def _in_one_scan(jaxpr, candidates: set) -> dict:
-    """``{leaf: (scan equation, body invar, stepped)}`` for the leaves among ``candidates`` whose only
-    use in ``jaxpr`` is as one operand of one top-level scan: an ``xs`` operand (``stepped``: its body
-    sees one step's slice) or a const (its body closes over the whole leaf, the same at every step)."""
-    users: dict = {}
-    for eqn in jaxpr.eqns:
-        for k, a in enumerate(eqn.invars):
-            if not isinstance(a, _compat.Literal):
-                users.setdefault(a, []).append((eqn, k))
+def _in_scans(jaxpr, candidates: set) -> dict:
+    """``{leaf: (scan equations, body invar, loops)}`` for the leaves among ``candidates`` whose only use in
+    ``jaxpr`` is as one operand of one top-level scan, followed into the scans nested in its body while
+    the body's input has no other use either: ``loops`` per scan, outermost first, ``"stepped"`` for an
+    ``xs`` operand (the body sees one step's slice; one such scan at most) or ``"repeated"`` for a const
+    (the body closes over it, the same at every step); the body invar is the innermost's."""
     found = {}
     for i in candidates:
-        var = jaxpr.invars[i]
-        (use, *more) = users.get(var, [None])
-        if more or use is None or var in jaxpr.outvars or _higher_order.kind(use[0]) != _higher_order.SCAN:
-            continue
-        eqn, k = use
-        p = _equation_params.scan_params(eqn)
-        if k >= p.num_consts + p.num_carry or k < p.num_consts:
-            body, _ = _compat.jaxpr_and_consts(p.body)
-            found[i] = (eqn, body.invars[k], k >= p.num_consts)
+        where, var, eqns, loops = jaxpr, jaxpr.invars[i], (), ()
+        while (use := _only_use(where, var)) is not None and _higher_order.kind(use[0]) == _higher_order.SCAN:
+            eqn, k = use
+            p = _equation_params.scan_params(eqn)
+            stepped = k >= p.num_consts + p.num_carry
+            if p.num_consts <= k < p.num_consts + p.num_carry or (stepped and "stepped" in loops):
+                break  # a carry; or a slice scanned over again
+            where, _ = _compat.jaxpr_and_consts(p.body)
+            var, eqns, loops = where.invars[k], (*eqns, eqn), (*loops, "stepped" if stepped else "repeated")
+        if eqns:
+            found[i] = (eqns, var, loops)
     return found
+
+
+def _only_use(jaxpr, var):
+    """``(equation, operand index)`` of ``var``'s one use in ``jaxpr``; None if it has another, or none."""
+    uses = [(eqn, k) for eqn in jaxpr.eqns for k, a in enumerate(eqn.invars) if a is var]
+    return uses[0] if len(uses) == 1 and not any(a is var for a in jaxpr.outvars) else None
+
+
+def _over_steps(f, n: int):
+    """``f`` mapped over ``n`` leading (loop) axes."""
+    for _ in range(n):
+        f = jax.vmap(f)
+    return f
 
 
 def _custom_around(occurrences):

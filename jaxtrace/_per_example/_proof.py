@@ -127,9 +127,10 @@ def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[di
 
     ``reads`` maps a name to ``(var, ctx)``: the output of an equation (in the calls ``ctx``) that
     reads a leaf outside its layers (``_reads``), or a leaf itself; where that value is shared by
-    every example, ``Proof.shared`` also lists where it meets the examples, under that name. ``in_scans`` maps a name to ``(scan equation,
-    body invar)``: a top-level scan's body input (one step's slice of a leaf), whose meetings with
-    the examples in that body are listed the same way.
+    every example, ``Proof.shared`` also lists where it meets the examples, under that name. ``in_scans`` maps a name to ``(scan
+    equations, body invar)``: the input of the innermost body of a top-level scan and the scans nested
+    in it (one step's slice of a leaf, or the leaf itself), whose meetings with the examples in that
+    body are listed the same way.
     """
     analysis = _Analysis(batch, layer_paths)
     origins = [("leaf", i) for i in range(n_leaves)] + [None] * (len(jaxpr.invars) - n_leaves)
@@ -410,9 +411,11 @@ class _Analysis:
             down = _calls_down(jaxpr, ctx)
             if down is not None:  # in no loop, branch or custom rule: followed out of its calls too
                 places.append((path, var, *down, ctx))
-        for path, (eqn, var) in in_scans.items():
-            body, _ = _compat.jaxpr_and_consts(_equation_params.scan_params(eqn).body)
-            places.append((path, var, body, (jaxpr,), (eqn,)))
+        for path, (eqns, var) in in_scans.items():  # in the body of the innermost of nested scans
+            outer = [jaxpr]
+            for eqn in eqns:
+                outer.append(_compat.jaxpr_and_consts(_equation_params.scan_params(eqn).body)[0])
+            places.append((path, var, outer.pop(), tuple(outer), tuple(eqns)))
         found = []
         for path, var, where, outer, ctx in places:
             state = self.state.get((ctx, var))

@@ -17,9 +17,10 @@ program's own input or its ``transpose``, outside the covered layers' calls; and
 body of a ``lax.scan``: of one step's slice where the scan runs over a leaf's leading axis
 (layers stacked as arrays ``(L, ...)``; ``stepped``: each slice is a parameter of its own,
 with its own factors), or of a whole leaf the body closes over (a recurrent weight;
-``repeated``: each step's factors are more positions of the one leaf's). A read in a nested
-scan, a ``while`` loop, a branch or a custom rule's body is not listed, and its
-leaf keeps the exact path. The
+``repeated``: each step's factors are more positions of the one leaf's); and so on into nested
+scans (recurrent layers stacked in a scan over layers: each layer's slice read at every time
+step), a leaf stepped by one of them at most. A read in a ``while`` loop, a branch or a custom
+rule's body is not listed, and its leaf keeps the exact path. The
 pass then proves, as for a layer, that each position of the read's output reaches one
 example's loss (a shared output: that the proof finds where it meets the examples, at the
 top level), and cuts the read out of the leaf's other uses (``_uses``): a leaf also used in
@@ -55,8 +56,9 @@ class Read:
     transposed: bool
     rule: "ReadRule"
     ctx: tuple = ()  # the jit, checkpoint and scan equations that hold it, outermost first
-    stepped: bool = False  # it reads one step's slice of the leaf, in the body of a scan over the leaf (in ``ctx``)
-    repeated: bool = False  # it reads the whole leaf at every step of a scan (in ``ctx``) whose body closes over it
+    # per scan in ``ctx``, outermost first: "stepped" (a scan over the leaf's leading axis; its body reads
+    # one step's slice) or "repeated" (the scan's body closes over it and reads it at every step)
+    loops: tuple = ()
 
     @property
     def other(self) -> Optional[int]:
@@ -97,7 +99,7 @@ def find_reads(jaxpr, n_leaves: int, layers: set) -> list[Read]:
     and of one step's slice in the body of a ``lax.scan`` over a leaf, in program order, outside
     the calls of the covered layers ``layers`` (paths; their rules hold what those read)."""
     out: list = []
-    _Finder(layers, out).run(jaxpr, {v: (i, False, None) for i, v in enumerate(jaxpr.invars[:n_leaves])}, ())
+    _Finder(layers, out).run(jaxpr, {v: (i, False, ()) for i, v in enumerate(jaxpr.invars[:n_leaves])}, ())
     return out
 
 
@@ -106,9 +108,8 @@ class _Finder:
         self.layers, self.out = layers, out
 
     def run(self, jaxpr, alias: dict, ctx: tuple) -> None:
-        """``alias``: var -> ``(leaf, transposed, loop)``, the leaf itself (``loop``: ``None``; in a scan
-        body, ``"stepped"`` for one step's slice of it, ``"repeated"`` for the whole leaf) or seen through
-        ``_VIEWS``."""
+        """``alias``: var -> ``(leaf, transposed, loops)``, the leaf itself or seen through ``_VIEWS``;
+        ``loops``: per scan around it, as ``Read.loops``."""
         open_calls: list = []
         for eqn in jaxpr.eqns:
             if is_tag(eqn):  # a covered layer's call runs from its input's tag to its output's
@@ -149,25 +150,23 @@ class _Finder:
                     continue
                 others = [a for j, a in enumerate(ins) if j != k and a is not None]
                 if rule.match(eqn, k, tuple(v.aval.shape)) and not any(a in alias for a in others):
-                    self.out.append(Read(eqn, leaf, k, t, rule, ctx, loop == "stepped", loop == "repeated"))
+                    self.out.append(Read(eqn, leaf, k, t, rule, ctx, loop))
                     break
 
     def _scan(self, eqn, ins: list, alias: dict, ctx: tuple) -> None:
-        """A ``lax.scan`` not inside another (forward or reversed: the tags in its body stack their
-        values in the order of ``xs``, as its ``ys`` do): leaves among its ``xs`` (not transposed) are
-        read one step's slice at a time in its body, leaves among its consts whole at every step."""
+        """A ``lax.scan`` (forward or reversed: the tags in its body stack their values in the order of
+        ``xs``, as its ``ys`` do): leaves among its ``xs`` (not transposed, not a slice already) are read
+        one step's slice at a time in its body, leaves among its consts whole at every step."""
         p = _equation_params.scan_params(eqn)
-        if any(_higher_order.kind(e) == _higher_order.SCAN for e in ctx):
-            return
         body, _ = _compat.jaxpr_and_consts(p.body)
         first = p.num_consts + p.num_carry
         inner = {}
         for a, b in zip(ins[: p.num_consts], body.invars[: p.num_consts]):
-            if a is not None and a in alias and alias[a][2] is None:
-                inner[b] = (alias[a][0], alias[a][1], "repeated")
+            if a is not None and a in alias:
+                inner[b] = (*alias[a][:2], (*alias[a][2], "repeated"))
         for a, b in zip(ins[first:], body.invars[first:]):
-            if a is not None and a in alias and not alias[a][1] and alias[a][2] is None:
-                inner[b] = (alias[a][0], False, "stepped")
+            if a is not None and a in alias and not alias[a][1] and "stepped" not in alias[a][2]:
+                inner[b] = (alias[a][0], False, (*alias[a][2], "stepped"))
         if inner:
             self.run(body, inner, (*ctx, eqn))
 
