@@ -1,8 +1,8 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm,deeplstm]
 
-For nine equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+For ten equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
 32x32x3 images, each with a 2x2 max pool (``cnnpool``: the same with ``eqx.nn.MaxPool2d``), batch 64; a MobileNet-style CNN of the same widths whose
 blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-2 port of
@@ -12,7 +12,9 @@ blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-
 arrays and run with ``lax.scan``, at the transformer's sizes, as hand-written deep models are; a
 ViT of width 192, 4 blocks of 3 heads stacked with ``eqx.filter_vmap`` and run with ``lax.scan``, on
 32x32x3 images in 4x4 patches with a class token concatenated before them, batch 32; an
-``eqx.nn.LSTMCell`` of width 256 run by ``lax.scan`` over 64 tokens, batch 32) it
+``eqx.nn.LSTMCell`` of width 256 run by ``lax.scan`` over 64 tokens, batch 32; ``deeplstm``: 3
+``eqx.nn.LSTMCell`` layers of width 128 stacked with ``eqx.filter_vmap``, a scan over the layers
+running each over the 64 tokens) it
 compiles, side by side:
 
 - ``vmap(grad)`` + norms: ``jax.vmap(eqx.filter_grad(one_example_loss))`` then each leaf's
@@ -210,6 +212,36 @@ class LSTM(eqx.Module):
         return jax.vmap(self.head)(hs)
 
 
+class DeepLSTM(eqx.Module):
+    """A token table, ``layers`` ``eqx.nn.LSTMCell``s stacked by ``eqx.filter_vmap`` and run by a scan over
+    the layers, each running its cell over the positions (a scan nested in a scan), a head."""
+
+    embed: eqx.nn.Embedding
+    cells: eqx.nn.LSTMCell
+    head: eqx.nn.Linear
+
+    def __init__(self, vocab, d, layers, key):
+        k = jax.random.split(key, 3)
+        self.embed, self.head = eqx.nn.Embedding(vocab, d, key=k[0]), eqx.nn.Linear(d, vocab, key=k[2])
+        self.cells = eqx.filter_vmap(lambda kk: eqx.nn.LSTMCell(d, d, key=kk))(jax.random.split(k[1], layers))
+
+    def __call__(self, ids):
+        params, static = eqx.partition(self.cells, eqx.is_array)
+
+        def layer(xs, p):
+            cell = eqx.combine(p, static)
+
+            def step(state, x_t):
+                state = cell(x_t, state)
+                return state, state[0]
+
+            zeros = jnp.zeros(xs.shape[-1])
+            return jax.lax.scan(step, (zeros, zeros), xs)[1], None
+
+        hs, _ = jax.lax.scan(layer, jax.vmap(self.embed)(ids), params)
+        return jax.vmap(self.head)(hs)
+
+
 def gpt2_port(vocab, d, heads, layers, positions, key):
     """The port of ``examples/hf_gpt2_port.py`` (its code, float32), from a config of these sizes."""
     import importlib.util
@@ -309,8 +341,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm",
-                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm")
+    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm,deeplstm",
+                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm,deeplstm")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -336,6 +368,7 @@ def main():
     vit = ViT(image, 4, 192 if not args.quick else 32, 3 if not args.quick else 2, 4, 10, key)
     xv = jax.random.normal(key, (tb, 3, image, image))
     lstm = LSTM(512, d, key)
+    deep_lstm = DeepLSTM(512, d // 2, 3, key)
     print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}; "
           f"CNN: {image}x{image}x3, conv {channels}, batch {cb}; depthwise CNN: the same, depthwise + pointwise blocks\n")
     print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) | x filter_grad |")
@@ -346,7 +379,8 @@ def main():
                           ("port", port, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("stacked", stacked, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("ViT", vit, (xv, yc[:tb]), mlp_losses),
-                          ("LSTM", lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses)):
+                          ("LSTM", lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses),
+                          ("deepLSTM", deep_lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses)):
         if name.lower() in which:
             rows, rel[name] = measure(name, m, b, f, rounds)
             print("\n".join(rows))
