@@ -130,10 +130,12 @@ CLASSES = {
         "with or without a (d,) bias it closes over and adds at every step; or nested scans: the scan over the "
         "layers outside a recurrence over the positions that closes over each layer's slices (stacked RNN "
         "layers), or a recurrence over the positions outside the scan over the layers (a multi-layer cell), "
-        "a recurrent weight and bias closed over by both",
+        "a recurrent weight and bias closed over by both; or rows shared by every example read in the body: a "
+        "position table it closes over (pos[:T], every step), rows of a stacked (L, T, d) table by arange(T) (each "
+        "step its own)",
         variants=(
             "matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent", "recurrent_bias", "bias",
-            "nested_layers", "nested_time",
+            "nested_layers", "nested_time", "shared_rows", "stepped_rows",
         ),
         factors=True,
     ),
@@ -697,6 +699,8 @@ def b_scan_reads(kit, p):
         "bias": lambda h, w: h @ w,
         "nested_layers": lambda h, w: h @ w,
         "nested_time": lambda h, w: h @ w,
+        "shared_rows": lambda h, w: h @ w,
+        "stepped_rows": lambda h, w: h @ w,
     }[p.variant]
 
     def over_time(h, step):  # a recurrence along the positions axis (-2): eqx's (T, d), NNX's (B, T, d)
@@ -711,6 +715,12 @@ def b_scan_reads(kit, p):
         }.get(p.variant, lambda h: 0.0)
         if p.variant == "bias":  # each step's (d,) slice added as it is
             return lax.scan(lambda h, wb: (jnp.tanh(product(h, wb[0]) + wb[1]), None), h, (stack, bias))[0]
+        if p.variant == "shared_rows":  # the rows a closed-over table gives every example, at every step
+            n = h.shape[-2]
+            return lax.scan(lambda h, w: (jnp.tanh(product(h, w) + kit.val(parts["pos"])[:n]), None), h, stack)[0]
+        if p.variant == "stepped_rows":  # rows of each step's slice of a stacked table, by ids shared by every example
+            n = h.shape[-2]
+            return lax.scan(lambda h, wt: (jnp.tanh(product(h, wt[0]) + wt[1][jnp.arange(n)]), None), h, (stack, kit.val(parts["tab"])))[0]
         if p.variant == "nested_layers":  # each layer's slices read at every position
             layer = lambda h, wb: (over_time(h, lambda c, x: jnp.tanh(product(x, wb[0]) + 0.5 * c + wb[1])), None)  # noqa: E731
             return lax.scan(layer, h, (stack, bias))[0]
@@ -724,6 +734,8 @@ def b_scan_reads(kit, p):
         return h
 
     extra = {"stack": kit.normal(p.T, p.d, p.d), "rec": kit.normal(p.d, p.d), "bias": kit.normal(p.T, p.d), "cbias": kit.normal(p.d)}
+    if p.variant in ("shared_rows", "stepped_rows"):  # tables longer than the sequence
+        extra |= {"pos": kit.normal(p.T + 2, p.d), "tab": kit.normal(p.T, p.T + 1, p.d)}
     return standard(kit, p, {k: kit.param(v) for k, v in extra.items()}, middle)
 
 

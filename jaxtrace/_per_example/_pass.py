@@ -278,9 +278,15 @@ class Call:
             x = self.values.get(name + INPUT_SUFFIX) if read.other is not None else None
             use = None
             if name in self.shared_names:  # each example's gradient where the shared output meets it
-                out_shape = read.eqn.outvars[0].aval.shape
-                g = sum(shared_gradient(tag_cts[n], u, out_shape, self.proof, self.batch) for n, u in self.shared_names[name])
-                use = read.shared_factors(x, g, jnp.promote_types(dtypes[i], _compute_dtype(g.dtype)))
+                out_shape, n_loops = read.eqn.outvars[0].aval.shape, len(read.loops)  # (in scans: one per step)
+                g = sum(
+                    _over_steps(lambda c, u=u: shared_gradient(c, u, out_shape, self.proof, self.batch), n_loops)(tag_cts[n])
+                    for n, u in self.shared_names[name]
+                )
+                dt = jnp.promote_types(dtypes[i], _compute_dtype(g.dtype))
+                use = over_loops(lambda xs, gs: read.shared_factors(xs, gs, dt), read.loops, x, g)
+                if use is not None and "stepped" in read.loops:
+                    use = ("steps", use)
             elif read.other is None or isinstance(x, jax.Array):
                 g = tag_cts.get(name)
                 axis, inner = self.proof.axis_at(read.eqn.outvars[0], self.batch, read.ctx)

@@ -407,9 +407,13 @@ class _Analysis:
         take the exact path)."""
         starts = [(path, occ.eqn.outvars[0], occ.ctx) for path, occs in self.occurrences.items() for occ in occs]
         places = []
-        for path, var, ctx in [*starts, *((path, var, ctx) for path, (var, ctx) in reads.items())]:
+        for path, var, ctx in starts:
             down = _calls_down(jaxpr, ctx)
             if down is not None:  # in no loop, branch or custom rule: followed out of its calls too
+                places.append((path, var, *down, ctx))
+        for path, (var, ctx) in reads.items():  # a read may sit in scan bodies too: it meets the examples there
+            down = _calls_down(jaxpr, ctx, scans=True)
+            if down is not None:
                 places.append((path, var, *down, ctx))
         for path, (eqns, var) in in_scans.items():  # in the body of the innermost of nested scans
             outer = [jaxpr]
@@ -515,15 +519,18 @@ def _is_call(eqn) -> bool:
     return hasattr(eqn, "primitive") and _higher_order.kind(eqn) in (_higher_order.CALL, _higher_order.REMAT)  # (a cond branch in a ctx is a jaxpr)
 
 
-def _calls_down(jaxpr, ctx: tuple) -> Optional[tuple]:
+def _calls_down(jaxpr, ctx: tuple, scans: bool = False) -> Optional[tuple]:
     """``(the body ctx's innermost call runs, (the jaxprs that hold each call of ctx))`` where every
-    equation of ``ctx`` is a ``jit`` or ``checkpoint`` call; else None (a loop, a branch, a custom rule)."""
+    equation of ``ctx`` is a ``jit`` or ``checkpoint`` call (or, with ``scans``, a ``lax.scan``); else
+    None (a loop, a branch, a custom rule)."""
     outer = []
     for eqn in ctx:
-        if not _is_call(eqn):
+        scan = scans and hasattr(eqn, "primitive") and _higher_order.kind(eqn) == _higher_order.SCAN
+        if not (_is_call(eqn) or scan):
             return None
         outer.append(jaxpr)
-        jaxpr, _ = _compat.jaxpr_and_consts(_higher_order.body(eqn))
+        body = _equation_params.scan_params(eqn).body if scan else _higher_order.body(eqn)
+        jaxpr, _ = _compat.jaxpr_and_consts(body)
     return jaxpr, tuple(outer)
 
 
