@@ -69,15 +69,21 @@ def positions_over_steps(use: Use) -> Use:
     return jax.tree_util.tree_map(lambda t: jnp.moveaxis(t, 0, 1).reshape(t.shape[1], -1, *t.shape[3:]), use)
 
 
-def over_loops(factors, loops: tuple, x, g) -> Optional[Use]:
+def over_loops(factors, loops: tuple, x, g):
     """The ``Use`` of a leaf read in the body of nested scans ``loops`` (outermost first: ``"stepped"``,
     a scan over the leaf's leading axis, its body reading one step's slice; ``"repeated"``, a scan whose
     body closes over it), from the values ``x`` and gradients ``g`` recorded there (one leading axis per
-    loop) and ``factors(x, g)`` of one step's. The repeated loops' positions lie side by side; a stepped
-    loop (at most one) keeps its steps on a leading axis, each step's slice a parameter of its own."""
+    loop) and ``factors(x, g)`` of one step's (a ``Use`` or ``None``). The repeated loops' positions lie
+    side by side; under a stepped loop (one at most) it is ``("steps", Use)``, the steps on the ``Use``'s
+    leading axis, each step's slice a parameter of its own."""
+    use = _over_loops(factors, loops, x, g)
+    return ("steps", use) if use is not None and "stepped" in loops else use
+
+
+def _over_loops(factors, loops: tuple, x, g) -> Optional[Use]:
     if not loops:
         return factors(x, g)
-    use = jax.vmap(lambda xs, gs: over_loops(factors, loops[1:], xs, gs))(x, g)
+    use = jax.vmap(lambda xs, gs: _over_loops(factors, loops[1:], xs, gs))(x, g)
     if use is None or loops[0] == "stepped":
         return use
     return jax.vmap(positions_over_steps, in_axes=1)(use) if "stepped" in loops[1:] else positions_over_steps(use)

@@ -285,29 +285,19 @@ class Call:
                 )
                 dt = jnp.promote_types(dtypes[i], _compute_dtype(g.dtype))
                 use = over_loops(lambda xs, gs: read.shared_factors(xs, gs, dt), read.loops, x, g)
-                if use is not None and "stepped" in read.loops:
-                    use = ("steps", use)
             elif read.other is None or isinstance(x, jax.Array):
                 g = tag_cts.get(name)
                 axis, inner = self.proof.axis_at(read.eqn.outvars[0], self.batch, read.ctx)
                 dt = jnp.promote_types(dtypes[i], _compute_dtype(g.dtype)) if isinstance(g, jax.Array) else None
-                if isinstance(g, jax.Array) and read.loops:  # in scans: (steps, ...) values, per scan
+                if isinstance(g, jax.Array):  # (in scans: one value per step, per scan)
                     use = over_loops(lambda xs, gs: read.factors(xs, gs, axis, inner, dt), read.loops, x, g)
-                    if use is not None and "stepped" in read.loops:  # a Use per step of its own slice
-                        use = ("steps", use)
-                elif isinstance(g, jax.Array):
-                    use = read.factors(x, g, axis, inner, dt)
             if use is None:
                 self.read_why.setdefault(i, f"its read {_compat.construct(read.eqn)} does not keep the examples on its own axes")
                 continue
             uses.setdefault(i, []).append(use)
             cut_reads[(*map(id, read.ctx), id(read.eqn))] = (read.operand, i)
-        for name, i in self.whole.items():
-            shape = jnp.shape(plan.leaves[i])
-            g = sum(shared_gradient(tag_cts[n], u, shape, self.proof, self.batch) for n, u in self.shared_names[name])
-            uses.setdefault(i, []).append(Use(g.reshape(self.batch, 1, -1).astype(dtypes[i]), None))
-        for name, i in self.whole_steps.items():  # the cotangents stack one axis per scan around the meeting
-            loops = self.scan_loops[name]
+        for name, i in (self.whole | self.whole_steps).items():  # in scans: one cotangent per step, per scan
+            loops = self.scan_loops.get(name, ())
             stepped = "stepped" in loops
             shape = jnp.shape(plan.leaves[i])[1 if stepped else 0 :]
             g = sum(_over_steps(lambda c, u=u: shared_gradient(c, u, shape, self.proof, self.batch), len(loops))(tag_cts[n])
