@@ -132,10 +132,10 @@ CLASSES = {
         "layers), or a recurrence over the positions outside the scan over the layers (a multi-layer cell), "
         "a recurrent weight and bias closed over by both; or rows shared by every example read in the body: a "
         "position table it closes over (pos[:T], every step), rows of a stacked (L, T, d) table by arange(T) (each "
-        "step its own)",
+        "step its own); or the layers run by lax.fori_loop, each step reading stack[i] and bias[i]",
         variants=(
             "matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent", "recurrent_bias", "bias",
-            "nested_layers", "nested_time", "shared_rows", "stepped_rows",
+            "nested_layers", "nested_time", "shared_rows", "stepped_rows", "fori",
         ),
         factors=True,
     ),
@@ -701,6 +701,7 @@ def b_scan_reads(kit, p):
         "nested_time": lambda h, w: h @ w,
         "shared_rows": lambda h, w: h @ w,
         "stepped_rows": lambda h, w: h @ w,
+        "fori": lambda h, w: h @ w,
     }[p.variant]
 
     def over_time(h, step):  # a recurrence along the positions axis (-2): eqx's (T, d), NNX's (B, T, d)
@@ -715,6 +716,8 @@ def b_scan_reads(kit, p):
         }.get(p.variant, lambda h: 0.0)
         if p.variant == "bias":  # each step's (d,) slice added as it is
             return lax.scan(lambda h, wb: (jnp.tanh(product(h, wb[0]) + wb[1]), None), h, (stack, bias))[0]
+        if p.variant == "fori":  # the hand-written layer loop: row i of each stack, by the loop counter
+            return lax.fori_loop(0, stack.shape[0], lambda i, h: jnp.tanh(product(h, stack[i]) + bias[i]), h)
         if p.variant == "shared_rows":  # the rows a closed-over table gives every example, at every step
             n = h.shape[-2]
             return lax.scan(lambda h, w: (jnp.tanh(product(h, w) + kit.val(parts["pos"])[:n]), None), h, stack)[0]

@@ -314,13 +314,13 @@ class Call:
             if i in uses:
                 why[i] = self.read_why.get(i) or (
                     "it is also used outside its layers other than by a read the rules cover (a module no rule "
-                    "covers, a read of a whole leaf in a loop body, an operation other than `table[ids]`, `table[:n]` or a "
-                    "matrix product)"
+                    "covers, a read in a branch or `while` body, an operation other than `table[ids]`, `table[:n]`, "
+                    "`W[i]` or a matrix product)"
                 )
             elif why[i] == _NO_RULE:
                 why[i] = self.read_why.get(i) or (
-                    f"{_NO_RULE}, and no read rule (`table[ids]`, `table[:n]`, a matrix product, or one of these on "
-                    "a scan step's slice of a stacked leaf) covers how the program uses it"
+                    f"{_NO_RULE}, and no read rule (`table[ids]`, `table[:n]`, `W[i]`, a matrix product, or one of "
+                    "these on a scan step's slice of a stacked leaf) covers how the program uses it"
                 )
         mixed = {i for i, us in uses.items() if len({isinstance(u, tuple) for u in us}) > 1}
         for i in mixed:

@@ -1,4 +1,4 @@
-"""Leaves read by one primitive outside any layer: ``table[ids]``, ``table[:n]``, ``h @ W.T``.
+"""Leaves read by one primitive outside any layer: ``table[ids]``, ``table[:n]``, ``W[i]``, ``h @ W.T``.
 
 A ported model often reads a parameter without calling its module: GPT-2's token table as
 ``wte.weight[ids]``, its position table as ``wpe.weight[:T]`` and its tied head as
@@ -6,7 +6,8 @@ A ported model often reads a parameter without calling its module: GPT-2's token
 such read is a layer of its own, with the same factors: a row gather is an embedding (the ids
 against the output gradient), a product with the leaf contracted on its leading or trailing
 axes a linear layer (the other operand against the output gradient), a slice of rows an
-embedding of fixed ids. ``READS`` maps a primitive's name to its rule: whether an equation is such a
+embedding of fixed ids, one row by a traced index (``self.w[i]`` in a ``lax.fori_loop`` over
+stacked layers) an embedding of one id every example shares. ``READS`` maps a primitive's name to its rule: whether an equation is such a
 read (``match``) and, from the other operand and the output gradient the pass records there,
 the leaf's factors (``factors``; ``shared`` where the read's output is shared by every
 example, as ``wpe.weight[:T]`` inside ``jax.vmap(model)`` is, and meets them later).
@@ -140,7 +141,7 @@ class _Finder:
                     alias[eqn.outvars[0]] = (leaf, t != flips, loop)
                 continue
             rule = READS.get(name)
-            if rule is None or len(ins) > 2:
+            if rule is None:
                 continue
             for k, v in enumerate(ins):
                 if v is None or v not in alias:
@@ -307,3 +308,24 @@ def _slice_shared(read, _, g, dtype) -> Optional[Use]:
 
 
 READS["slice"] = ReadRule(_slice_match, None, _slice_shared)
+
+
+# --- dynamic_slice: W[i] by a traced index (lax.fori_loop over stacked layers) ------------------------
+
+
+def _dynamic_slice_match(eqn, k, shape) -> bool:
+    return k == 0 and len(shape) >= 1 and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
+
+
+def _dynamic_slice_shared(read, start, g, dtype) -> Optional[Use]:
+    """Row ``start`` of the leaf, picked by an index every example shares (``self.w[i]`` in the body of
+    a ``lax.fori_loop`` over stacked layers): that row against each example's output gradient. The
+    start is clamped into range, as ``dynamic_slice`` does."""
+    if not isinstance(start, jax.Array):
+        return None
+    size, b = read.eqn.invars[0].aval.shape[0], g.shape[0]
+    rows = jnp.broadcast_to(jnp.clip(start, 0, size - 1), (b, 1))
+    return Use(Index(rows, size), g.reshape(b, 1, -1).astype(dtype))
+
+
+READS["dynamic_slice"] = ReadRule(_dynamic_slice_match, None, _dynamic_slice_shared)
