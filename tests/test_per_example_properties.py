@@ -28,8 +28,8 @@ two batches at once) and ``jax.jvp`` around the transforms.
 Classes the current implementation gets wrong are in ``KNOWN_FAILING``: their tests skip
 with that reason (empty the set as fixes land; each class's docstring in ``CLASSES`` says
 what it draws). Profiles as in ``test_properties.py`` (``JAXTRACE_HYPOTHESIS_PROFILE``):
-``quick`` (the default run) draws one program per class, ``ci`` (``--long``) six; each program
-runs once, eager or under jit as drawn (``large``: a hundred, each both ways);
+``quick`` (the default run) draws one program per class, ``ci`` (``--long``) six (four per
+composition); each program runs once, eager or under jit as drawn (``large``: a hundred, each both ways);
 ``JAXTRACE_PER_EXAMPLE_PROGRAMS=n`` sets the number per class.
 """
 
@@ -1139,8 +1139,10 @@ def test_composition(around):
     if not base:
         pytest.skip("every base class of the compositions is in KNOWN_FAILING")
     first = COMPOSE_FIRST[around] if COMPOSE_FIRST[around] in base else None
-    # jt_grad differentiates both transforms and the oracle once more: the costliest, half as many programs
-    profile = settings(PROFILE, max_examples=max(1, PER_CLASS // 2)) if around == "jt_grad" else PROFILE
+    # two thirds as many programs as a class (each runs the oracle and both transforms under the composition);
+    # jt_grad differentiates both transforms and the oracle once more: the costliest, half as many
+    programs = max(1, PER_CLASS // 2 if around == "jt_grad" else PER_CLASS * 2 // 3)
+    profile = settings(PROFILE, max_examples=programs)
 
     @profile
     @given(programs(base, first))
