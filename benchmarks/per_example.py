@@ -1,15 +1,16 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm,deeplstm]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm]
 
-For ten equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+For eleven equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
 32x32x3 images, each with a 2x2 max pool (``cnnpool``: the same with ``eqx.nn.MaxPool2d``), batch 64; a MobileNet-style CNN of the same widths whose
 blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-2 port of
 ``examples/hf_gpt2_port.py`` at the transformer's sizes, which reads its token table as
 ``wte.weight[ids]``, its position table as ``wpe.weight[:T]`` and ties its head as
 ``h @ wte.weight.T``; a stack of 4 residual MLP blocks held as raw ``(4, d, 4d)`` and ``(4, 4d, d)``
-arrays and run with ``lax.scan``, at the transformer's sizes, as hand-written deep models are; a
+arrays and run with ``lax.scan``, at the transformer's sizes, as hand-written deep models are
+(``fori``: the same blocks run by ``lax.fori_loop``, reading ``up[i]`` and ``down[i]``); a
 ViT of width 192, 4 blocks of 3 heads stacked with ``eqx.filter_vmap`` and run with ``lax.scan``, on
 32x32x3 images in 4x4 patches with a class token concatenated before them, batch 32; an
 ``eqx.nn.LSTMCell`` of width 256 run by ``lax.scan`` over 64 tokens, batch 32; ``deeplstm``: 3
@@ -121,26 +122,32 @@ class Transformer(eqx.Module):
 
 
 class Stacked(eqx.Module):
-    """Token table, 4 residual MLP blocks stacked as raw arrays and run with ``lax.scan``, a head."""
+    """Token table, 4 residual MLP blocks stacked as raw arrays and run with ``lax.scan`` (or, ``fori``,
+    with ``lax.fori_loop`` reading ``up[i]`` and ``down[i]``), a head."""
 
     embed: jax.Array
     up: jax.Array
     down: jax.Array
     head: jax.Array
+    fori: bool = eqx.field(static=True)
 
-    def __init__(self, vocab, d, layers, key):
+    def __init__(self, vocab, d, layers, key, fori=False):
         k = jax.random.split(key, 4)
         self.embed = jax.random.normal(k[0], (vocab, d)) * 0.02
         self.up = jax.random.normal(k[1], (layers, d, 4 * d)) / jnp.sqrt(d)
         self.down = jax.random.normal(k[2], (layers, 4 * d, d)) / jnp.sqrt(4 * d)
         self.head = jax.random.normal(k[3], (d, vocab)) / jnp.sqrt(d)
+        self.fori = fori
 
     def __call__(self, ids):
         def block(h, w):
             up, down = w
             return h + jax.nn.gelu(h @ up) @ down, None
 
-        h, _ = jax.lax.scan(block, self.embed[ids], (self.up, self.down))
+        if self.fori:
+            h = jax.lax.fori_loop(0, self.up.shape[0], lambda i, h: block(h, (self.up[i], self.down[i]))[0], self.embed[ids])
+        else:
+            h, _ = jax.lax.scan(block, self.embed[ids], (self.up, self.down))
         return h @ self.head
 
 
@@ -341,8 +348,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm,deeplstm",
-                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,vit,lstm,deeplstm")
+    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm",
+                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -365,6 +372,7 @@ def main():
     dw = DepthwiseCNN(image, channels, 10, key)
     port = gpt2_port(512, d, 4, 2, t, key) if "port" in which else None
     stacked = Stacked(512, d, 4, key)
+    fori = Stacked(512, d, 4, key, fori=True)
     vit = ViT(image, 4, 192 if not args.quick else 32, 3 if not args.quick else 2, 4, 10, key)
     xv = jax.random.normal(key, (tb, 3, image, image))
     lstm = LSTM(512, d, key)
@@ -378,6 +386,7 @@ def main():
                           ("CNN", cnn, (xc, yc), mlp_losses), ("CNNpool", cnn_pool, (xc, yc), mlp_losses), ("dwCNN", dw, (xc, yc), mlp_losses),
                           ("port", port, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("stacked", stacked, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
+                          ("fori", fori, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("ViT", vit, (xv, yc[:tb]), mlp_losses),
                           ("LSTM", lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses),
                           ("deepLSTM", deep_lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses)):
