@@ -1141,8 +1141,8 @@ def test_composition(around):
     first = COMPOSE_FIRST[around] if COMPOSE_FIRST[around] in base else None
     # two thirds as many programs as a class (each runs the oracle and both transforms under the composition);
     # jt_grad differentiates both transforms and the oracle once more: the costliest, half as many
-    programs = max(1, PER_CLASS // 2 if around == "jt_grad" else PER_CLASS * 2 // 3)
-    profile = settings(PROFILE, max_examples=programs)
+    count = max(1, PER_CLASS // 2 if around == "jt_grad" else PER_CLASS * 2 // 3)
+    profile = settings(PROFILE, max_examples=count)
 
     @profile
     @given(programs(base, first))
