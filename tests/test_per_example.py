@@ -317,7 +317,8 @@ def test_conv_1d_3d(dims):
 # Each conv geometry against the definition (jax.jacrev of the losses vector), eager and jitted, on
 # both routes of _conv.py: the Gram form (few output positions T against the channels,
 # T * (C * K + O) < C * K * O) and the per-example gradient from shifted input slices (larger T).
-# (framework, dims, layer kwargs, input side for each route); all but the first ~10-30 s each: with --long.
+# (framework, dims, layer kwargs, input side for each route); all but the first ~10-30 s each: with --long,
+# and under jit only (eagerly, op by op, each took 5-15 s: the first geometry's eager runs cover that path).
 CONV_GEOMETRIES = [
     ("eqx", 2, dict(stride=2, padding=((1, 2), (0, 1)), dilation=(1, 2)), (4, 10)),
     pytest.param("eqx", 2, dict(stride=(1, 2), padding="SAME_LOWER"), (2, 10), marks=SLOW),
@@ -335,10 +336,21 @@ def _conv_model(framework, dims, kw):
     return to_dtype(nnx.Conv(4, 5, (3,) * dims, rngs=nnx.Rngs(0), **kw)), -1
 
 
-@pytest.mark.parametrize("route", ["gram", "slices"])
-@pytest.mark.parametrize("framework, dims, kw, sides", CONV_GEOMETRIES)
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.long_eager  # the eager pass, op by op, with --long
+def _eager_for_the_first(geometries):
+    """Each geometry's ``pytest.param`` on both routes, under jit and eagerly (the eager pass, op by op,
+    with --long), but the geometries after the first under jit alone."""
+    cases = []
+    for k, geometry in enumerate(geometries):
+        values, marks, name = (geometry.values, geometry.marks, geometry.id) if hasattr(geometry, "values") else (geometry, (), None)
+        for jit in (False, True) if k == 0 else (True,):
+            for route in ("gram", "slices"):
+                ids = "-".join(str(part) for part in (jit, name or f"{values[0]}-{values[1]}d-{k}", route))
+                eager = [pytest.mark.long_eager] if not jit else []
+                cases.append(pytest.param(*values, route, jit, marks=[*marks, *eager], id=ids))
+    return cases
+
+
+@pytest.mark.parametrize("framework, dims, kw, sides, route, jit", _eager_for_the_first(CONV_GEOMETRIES))
 def test_conv_geometry_against_jacrev(framework, dims, kw, sides, route, jit):
     model, channel = _conv_model(framework, dims, kw)
     side = sides[route == "slices"]
@@ -391,7 +403,8 @@ def test_conv_stacked_in_scan_against_jacrev():
 # Grouped and depthwise convolutions (feature_group_count = G: each group's output channels read that
 # group's input channels alone; depthwise is G = C_in, here with a channel multiplier of 2), on both
 # routes of _conv.py, with fallback="error" so that the exact path cannot stand in for the factors.
-# (framework, dims, in, out, groups, layer kwargs, input side for each route); all but the first with --long.
+# (framework, dims, in, out, groups, layer kwargs, input side for each route); all but the first with --long,
+# under jit only.
 GROUPED_GEOMETRIES = [
     pytest.param("eqx", 2, 8, 16, 2, dict(stride=2, padding=1), (4, 8), id="eqx-2d-groups"),
     pytest.param("nnx", 2, 3, 6, 3, dict(strides=2, padding="SAME"), (2, 8), marks=SLOW, id="nnx-2d-depthwise"),
@@ -402,10 +415,7 @@ GROUPED_GEOMETRIES = [
 ]
 
 
-@pytest.mark.parametrize("route", ["gram", "slices"])
-@pytest.mark.parametrize("framework, dims, cin, cout, groups, kw, sides", GROUPED_GEOMETRIES)
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.long_eager  # the eager pass, op by op, with --long
+@pytest.mark.parametrize("framework, dims, cin, cout, groups, kw, sides, route, jit", _eager_for_the_first(GROUPED_GEOMETRIES))
 def test_grouped_conv_against_jacrev(framework, dims, cin, cout, groups, kw, sides, route, jit):
     if framework == "eqx":
         model, call = eqx.nn.Conv(dims, cin, cout, 3, groups=groups, key=KEY, **kw), lambda m, x: jax.vmap(m)(x)
