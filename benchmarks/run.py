@@ -268,8 +268,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small models, few rounds (CI; a few minutes)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/<mode>-<time>.json)")
     parser.add_argument("--models", help="comma-separated subset of mlp,rnn,attention,cnn,chain... ('none': no models)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds for step times")
-    parser.add_argument("--compile-rounds", type=int, help="interleaved rounds for trace+compile times")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds for step times (default 40; quick 8)")
+    parser.add_argument("--compile-rounds", type=int, help="interleaved rounds for trace+compile times (default 7; quick 1)")
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch variants")
     parser.add_argument("--no-scaling", action="store_true", help="skip the tag and scan scaling figures")
     parser.add_argument("--no-large", action="store_true", help="skip the large equinox model")
@@ -282,9 +282,9 @@ def main(argv=None):
     parser.add_argument("--large-compile-rounds", type=int,
                         help="interleaved trace+compile rounds of the large model (default --compile-rounds; quick 1)")
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (15 if args.quick else 40)
+    args.rounds = args.rounds or (8 if args.quick else 40)  # quick: a smoke run for CI; its ratios are rough
     args.explicit_rounds = args.compile_rounds is not None
-    args.compile_rounds = args.compile_rounds or (3 if args.quick else 7)
+    args.compile_rounds = args.compile_rounds or (1 if args.quick else 7)
     args.min_time = 0.01 if args.quick else 0.02  # seconds per timed sample, at least
 
     t_start = time.perf_counter()

@@ -4,7 +4,7 @@ The default run (``python -m pytest -q -n auto tests``, the README's command) ch
 in a few minutes. ``--long`` (one cell of ``.ci/run`` passes it) adds what takes long: tests
 marked ``long`` or ``slow`` (the examples, the two-process run), the eager variant of tests
 marked ``long_eager`` (the heaviest models, whose jit variant always runs), and the property tests' long profile
-(200 random programs instead of 15; ``JAXTRACE_HYPOTHESIS_PROFILE`` still picks one by name).
+(100 random programs instead of 15; ``JAXTRACE_HYPOTHESIS_PROFILE`` still picks one by name).
 """
 
 import os
@@ -20,7 +20,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--long",
         action="store_true",
-        help="also run the long tests: the examples, the multi-process run, 200 property programs",
+        help="also run the long tests: the examples, the multi-process run, 100 property programs",
     )
 
 
