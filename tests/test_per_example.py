@@ -382,23 +382,57 @@ def test_conv_called_twice_against_jacrev():
 
 class EqxConvStack(eqx.Module):
     convs: eqx.nn.Conv2d  # three Conv2d stacked by eqx.filter_vmap, run with lax.scan
+    calls: int = eqx.field(static=True, default=1)  # each step's conv applied once or twice
 
     def __call__(self, x):
         params, static = eqx.partition(self.convs, eqx.is_array)
-        return jax.lax.scan(lambda h, p: (jnp.tanh(eqx.combine(p, static)(h)), None), x, params)[0]
+
+        def step(h, p):
+            for _ in range(self.calls):
+                h = jnp.tanh(eqx.combine(p, static)(h))
+            return h, None
+
+        return jax.lax.scan(step, x, params)[0]
 
 
 @pytest.mark.slow  # ~10-30 s: with --long
-def test_conv_stacked_in_scan_against_jacrev():
-    """Convolutions stacked in lax.scan: each step's slice of the weight is its own parameter."""
+@pytest.mark.parametrize("calls", [1, 2])
+def test_conv_stacked_in_scan_against_jacrev(calls):
+    """Convolutions stacked in lax.scan: each step's slice of the weight is its own parameter (called
+    twice a step: the two calls' positions side by side)."""
     stack = eqx.filter_vmap(lambda k: eqx.nn.Conv2d(2, 2, 3, padding=1, key=k))(jax.random.split(KEY, 3))
-    model = to_dtype(EqxConvStack(stack))
+    model = to_dtype(EqxConvStack(stack, calls))
 
     def fun(m, x):
         return jnp.sum(jax.vmap(m)(x).reshape(x.shape[0], -1) ** 2, axis=1)
 
     check_on_factors(fun, model, data(B, 2, 6, 6))
 
+
+
+def test_a_stacked_conv_called_in_a_scan_nested_in_its_scan_takes_the_exact_path():
+    """A convolution stacked in a scan and run over positions by a scan in its body: the rule's factors keep
+    their own layout (no positions to lay the inner steps beside), so its weight takes the exact path, named
+    under ``fallback="error"``; the numbers are the definition's."""
+    from per_example_oracle import oracle_per_example
+
+    convs = eqx.filter_vmap(lambda k: eqx.nn.Conv1d(2, 2, 3, padding=1, key=k))(jax.random.split(KEY, 2))
+
+    def fun(convs, x):  # x: (B, T, C, W)
+        params, static = eqx.partition(convs, eqx.is_array)
+
+        def layer(xs, p):
+            conv = eqx.combine(p, static)
+            return jax.lax.scan(lambda h, x_t: (jnp.tanh(conv(x_t) + 0.5 * h),) * 2, jnp.zeros((2, 6), F64), xs)[1], None
+
+        return jnp.sum(jnp.sin(jax.vmap(lambda x: jax.lax.scan(layer, x, params)[0])(x)), axis=(1, 2, 3))
+
+    model, x = to_dtype(convs), data(B, 3, 2, 6)
+    with pytest.raises(jt.TagError, match=r"'weight'.*stacked in a scan and called in a loop nested in it"):
+        jt.per_example_norms(fun, fallback="error")(model, x)
+    ref = oracle_per_example(fun, model, x)
+    sq = jit(jt.per_example_norms(fun))(model, x)[1]
+    close(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms))
 
 # Grouped and depthwise convolutions (feature_group_count = G: each group's output channels read that
 # group's input channels alone; depthwise is G = C_in, here with a channel multiplier of 2), on both

@@ -103,7 +103,13 @@ CLASSES = {
     "shared_table": Cls("a learned (T, d) table fed to a Linear inside the model; T == B or not", variants=("T==B", "T!=B")),
     "repeated": Cls("one Linear called two or three times in a row", variants=("twice", "thrice")),
     "two_shapes": Cls("one Linear called on the tokens (T, d) and on their mean (d,)", refused="called with different shapes"),
-    "scan_stack": Cls("a stack built with eqx.filter_vmap / nnx.vmap, run with lax.scan / nnx.scan", variants=("linear", "linear_nobias")),
+    "scan_stack": Cls(
+        "a stack built with eqx.filter_vmap / nnx.vmap, run with lax.scan / nnx.scan; each step's layer called once, "
+        "twice, or in a scan over the positions nested in the scan over the stack (nested_layers), or the scan over the "
+        "stack nested in one over the positions (nested_time)",
+        variants=("linear", "linear_nobias", "twice", "nested_layers", "nested_time"),
+        factors=True,
+    ),
     "checkpoint_jit": Cls("a covered layer called under jax.checkpoint (nnx.remat) or eqx.filter_jit (nnx.jit) inside the model", variants=("checkpoint", "jit")),
     "tied_shared": Cls("eqx.nn.Shared ties the head to the embedding; NNX: one Variable in two Linears", inputs=("embed",)),
     "tied_transpose": Cls("the head reads embed.weight.T (NNX: embed.attend)", inputs=("embed",)),
@@ -507,20 +513,40 @@ def b_two_shapes(kit, p):
     return standard(kit, p, {"rep": kit.layer("linear", p.d)}, middle)
 
 
+def _stack_step(p, call):
+    """One layer of the stack on ``h`` (positions on axis -2), as the variant calls it: ``call(h)`` the
+    layer on each position."""
+    if p.variant == "twice":
+        return lambda h: jnp.tanh(call(jnp.tanh(call(h))))
+    if p.variant == "nested_layers":  # the layer at every position, in a scan over the positions
+        def over_time(h):
+            c0 = jnp.zeros(h.shape[:-2] + h.shape[-1:], h.dtype)
+            step = lambda c, x: (jnp.tanh(call(x) + 0.5 * c),) * 2  # noqa: E731
+            return jnp.moveaxis(lax.scan(step, c0, jnp.moveaxis(h, -2, 0))[1], 0, -2)
+
+        return over_time
+    return lambda h: jnp.tanh(call(h))
+
+
 def b_scan_stack(kit, p):
     n = 2 + p.seed % 2
-    bias = p.variant == "linear"
+    bias = p.variant != "linear_nobias"
     if kit.eqx:
         stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(p.d, p.d, use_bias=bias, key=k))(jax.random.split(kit.key(), n))
 
         def middle(parts, h):
             dyn, static = eqx.partition(parts["stack"], eqx.is_array)
-
-            def step(h, layer_dyn):
+            def call(layer_dyn):  # the layer on each position of one example, (T, d), or on one position
                 layer = eqx.combine(layer_dyn, static)
-                return jnp.tanh(jax.vmap(layer)(h)), None
+                return lambda h: layer(h) if h.ndim == 1 else jax.vmap(layer)(h)
 
-            return lax.scan(step, h, dyn)[0]
+            if p.variant == "nested_time":  # at every position (a scan over the positions), the layers in turn
+                def position(c, x):
+                    y = lax.scan(lambda y, layer_dyn: (jnp.tanh(eqx.combine(layer_dyn, static)(y) + 0.5 * c), None), x, dyn)[0]
+                    return y, y
+
+                return jnp.moveaxis(lax.scan(position, jnp.zeros(h.shape[-1:], h.dtype), jnp.moveaxis(h, -2, 0))[1], 0, -2)
+            return lax.scan(lambda h, layer_dyn: (_stack_step(p, call(layer_dyn))(h), None), h, dyn)[0]
 
     else:
 
@@ -534,8 +560,20 @@ def b_scan_stack(kit, p):
         def middle(parts, h):
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def step(h, layer):
-                return jnp.tanh(layer(h))
+                return _stack_step(p, layer)(h)
 
+            if p.variant == "nested_time":  # at every position, the layers in turn (an nnx.scan in an nnx.scan)
+                @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+                def layers(y, layer, c):
+                    return jnp.tanh(layer(y) + 0.5 * c)
+
+                @nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=(nnx.Carry, 0))
+                def position(c, x, stack):
+                    y = layers(x, stack, c)
+                    return y, y
+
+                c0 = jnp.zeros(h.shape[:-2] + h.shape[-1:], h.dtype)
+                return jnp.moveaxis(position(c0, jnp.moveaxis(h, -2, 0), parts["stack"])[1], 0, -2)
             return step(h, parts["stack"])
 
     return standard(kit, p, {"stack": stack}, middle)

@@ -496,6 +496,52 @@ def test_recurrent_layers_in_nested_scans_are_on_factors(layout):
     check(lambda m, x: jnp.sum(jnp.tanh(jax.vmap(m)(x)) ** 2, axis=(1, 2)), model, x, jit=True)
 
 
+class DeepLinear(eqx.Module):
+    """A stack of ``eqx.nn.Linear`` (built with ``eqx.filter_vmap``) in nested scans or called twice a step:
+    ``layers_outer``, a scan over the layers, each running its Linear over the positions with a carry (a
+    stacked RNN written with Linear layers); ``time_outer``, at each position the layers in turn;
+    ``twice``, each step's Linear applied twice, at every position."""
+
+    lins: eqx.nn.Linear  # stacked: weight (L, D, D), bias (L, D)
+    head: eqx.nn.Linear
+    layout: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.lins, eqx.is_array)
+        if self.layout == "layers_outer":
+            def layer(xs, p):
+                lin = eqx.combine(p, static)
+                return jax.lax.scan(lambda h, x_t: (jnp.tanh(lin(x_t) + 0.5 * h),) * 2, jnp.zeros(D), xs)[1], None
+
+            hs = jax.lax.scan(layer, x, params)[0]
+        elif self.layout == "time_outer":
+            def position(h, x_t):
+                layer = lambda y, p: (jnp.tanh(eqx.combine(p, static)(y) + 0.5 * h), None)  # noqa: E731
+                return (jax.lax.scan(layer, x_t, params)[0],) * 2
+
+            hs = jax.lax.scan(position, jnp.zeros(D), x)[1]
+        else:
+            def layer(h, p):
+                lin = jax.vmap(eqx.combine(p, static))
+                return jnp.tanh(lin(jnp.tanh(lin(h)))), None
+
+            hs = jax.lax.scan(layer, x, params)[0]
+        return jax.vmap(self.head)(hs)
+
+
+@pytest.mark.parametrize("layout", ["layers_outer", "time_outer", "twice"])
+def test_a_stacked_linear_in_nested_scans_or_twice_a_step_is_on_factors(layout):
+    """Each layer's slice of the stack is a parameter of its own; the positions of the loop that closes over
+    it (and a step's two calls) lie side by side in its factors."""
+    k = jax.random.split(KEYS[4], 4)
+    lins = eqx.filter_vmap(lambda kk: eqx.nn.Linear(D, D, key=kk))(jax.random.split(k[0], 3))
+    model = DeepLinear(lins, eqx.nn.Linear(D, 2, key=k[1]), layout)
+    x = jax.random.normal(k[2], (B, T, D))
+    check(lambda m, x: jnp.sum(jnp.tanh(jax.vmap(m)(x)) ** 2, axis=(1, 2)), model, x, jit=True)
+    if layout == "twice":
+        check(lambda m, x: jnp.sum(jnp.tanh(jax.vmap(m)(x)) ** 2, axis=(1, 2)), model, x, jit=False)
+
+
 def test_a_closed_over_bias_also_used_outside_its_scan_keeps_the_exact_path():
     class Both(eqx.Module):
         w: jax.Array

@@ -75,7 +75,8 @@ def over_loops(factors, loops: tuple, x, g):
     body closes over it), from the values ``x`` and gradients ``g`` recorded there (one leading axis per
     loop) and ``factors(x, g)`` of one step's (a ``Use`` or ``None``). The repeated loops' positions lie
     side by side; under a stepped loop (one at most) it is ``("steps", Use)``, the steps on the ``Use``'s
-    leading axis, each step's slice a parameter of its own."""
+    leading axis, each step's slice a parameter of its own. ``None`` where ``factors`` gives ``None``, or
+    gives a convolution's factors under a repeated loop."""
     use = _over_loops(factors, loops, x, g)
     return ("steps", use) if use is not None and "stepped" in loops else use
 
@@ -86,6 +87,8 @@ def _over_loops(factors, loops: tuple, x, g) -> Optional[Use]:
     use = jax.vmap(lambda xs, gs: _over_loops(factors, loops[1:], xs, gs))(x, g)
     if use is None or loops[0] == "stepped":
         return use
+    if not isinstance(use, Use):  # a convolution's factors keep their own layout: no positions to add to
+        return None
     return jax.vmap(positions_over_steps, in_axes=1)(use) if "stepped" in loops[1:] else positions_over_steps(use)
 
 

@@ -45,6 +45,18 @@ _STEPS = ":whole:steps"  # "<leaf name>:whole:steps": such a leaf that a scan sl
 _REPEATS = ":whole:repeated"  # "<leaf name>:whole:repeated": such a leaf a scan's body closes over, used whole each step
 
 
+def _stepped_loops(occs, depths: set, axis: int):
+    """The loops around a stacked layer's calls, outermost first: ``"stepped"``, the scan that slices the
+    stack (at ``depths``' one depth), and ``"repeated"``, a scan that closes over it; ``None`` unless every
+    call is in the same loops (called twice a step: positions side by side), one scan slices the stack and
+    the examples are not on a loop's axis (``axis``, in the stacked values)."""
+    n = occs[0].steps
+    if n < 1 or axis < n or len(depths) != 1 or len({tuple(map(id, occ.ctx)) for occ in occs}) != 1:
+        return None
+    (depth,) = depths
+    return tuple("stepped" if k == depth else "repeated" for k in range(n))
+
+
 def _compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
@@ -237,38 +249,45 @@ class Call:
                 leaves[attr] = origin
             got, reason = self._layer_inputs(layer, tag_cts)
             if got is None:
-                for kind, i in leaves.values():
+                for kind, i, *_ in leaves.values():
                     why[i] = f"at its layer {layer.path!r}: {reason}"
                 continue
             x, g, (axis, inner) = got
             ri, ro = layer.rule.ranks(layer.module)
             n_lead = x.ndim - ri
             if n_lead < 1 or g.ndim - ro != n_lead or x.shape[:n_lead] != g.shape[:n_lead] or axis >= n_lead:
-                for kind, i in leaves.values():
+                for kind, i, *_ in leaves.values():
                     why[i] = f"its layer {layer.path!r} is called with inputs of unexpected shapes"
                 continue
-            stepped = {a for a, (kind, _) in leaves.items() if kind == "step"}
+            stepped = {a for a, (kind, *_) in leaves.items() if kind == "step"}
             per_step: dict = {}
-            dt = functools.reduce(jnp.promote_types, [dtypes[i] for _, i in leaves.values()], _compute_dtype(g.dtype))
+            dt = functools.reduce(jnp.promote_types, [dtypes[i] for _, i, *_ in leaves.values()], _compute_dtype(g.dtype))
             xf = x if not jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(dt)
             if stepped:
-                if len(occs) != 1 or occs[0].steps != 1 or axis == 0:
+                loops = _stepped_loops(occs, {leaves[a][2] for a in stepped}, axis)
+                if loops is None:
                     for a in stepped:
-                        why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in nested loops or called twice a step"
+                        why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in loops it is not the same call of, or sliced at two depths"
                     continue
-                module = step_module(layer.module, x.shape[0])
-                per_step = jax.vmap(
-                    lambda xs, gs: layer.rule.factors(
-                        module, examples_first(xs, axis - 1, inner, n_lead - 1), examples_first(gs.astype(dt), axis - 1, inner, n_lead - 1)
+                n, module = len(loops), step_module(layer.module, x.shape[loops.index("stepped")])
+
+                def step_factors(xs, gs, layer=layer, module=module, n=n):
+                    lead = n_lead - n
+                    return layer.rule.factors(
+                        module, examples_first(xs, axis - n, inner, lead), examples_first(gs.astype(dt), axis - n, inner, lead)
                     )
-                )(xf, g)
+
+                per_step = {a: over_loops(lambda xs, gs, a=a: step_factors(xs, gs).get(a), loops, xf, g) for a in stepped}
+                for a in stepped:
+                    if per_step[a] is None:
+                        why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in a scan and called in a loop nested in it, which its rule does not cover"
             factors = {}
             if set(leaves) - stepped:
                 xb, gb = examples_first(xf, axis, inner, n_lead), examples_first(g.astype(dt), axis, inner, n_lead)
                 factors = layer.rule.factors(layer.module, xb, gb)
-            for attr, (kind, i) in leaves.items():
-                item = ("steps", per_step.get(attr)) if attr in stepped else factors.get(attr)
-                if item is None or (attr in stepped and item[1] is None):
+            for attr, (kind, i, *_) in leaves.items():
+                item = per_step.get(attr) if attr in stepped else factors.get(attr)
+                if item is None:
                     continue
                 uses.setdefault(i, []).append(item)
                 owned.setdefault(layer.path, set()).add(i)

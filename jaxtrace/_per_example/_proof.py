@@ -68,7 +68,8 @@ class Occurrence:
     ctx: tuple  # the equations (calls, loops) that hold it, outermost first
     eqn: Any  # the output tag's equation
     out: Any = None  # ownership of its output (Axis / Every / None)
-    params: dict = dataclasses.field(default_factory=dict)  # attribute -> ("leaf", i) | ("step", i) | None
+    params: dict = dataclasses.field(default_factory=dict)  # attribute -> ("leaf", i) | ("step", i, depth) | None
+    # ("step", i, depth): one step's slice of leaf i, sliced by the enclosing scan ``depth`` (0: the outermost)
     steps: int = 0  # enclosing scans
 
 
@@ -191,7 +192,7 @@ class _Analysis:
             elif kind == _higher_order.SCAN:
                 p = _equation_params.scan_params(eqn)
                 k, c = p.num_consts, p.num_carry
-                body_ins = ins[:k] + [None] * c + [("step", o[1]) if o and o[0] == "leaf" else None for o in ins[k + c :]]
+                body_ins = ins[:k] + [None] * c + [("step", o[1], steps) if o and o[0] == "leaf" else None for o in ins[k + c :]]
                 carry = list(in_deps[k : k + c])
                 while True:
                     _, bd = self._call(p.body, body_ins, in_deps[:k] + carry + in_deps[k + c :], (*ctx, eqn), steps + 1)
