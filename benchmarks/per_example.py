@@ -1,8 +1,8 @@
 """Per-example gradient norms and clipped gradients: jaxtrace against jax.vmap(jax.grad).
 
-    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm]
+    python benchmarks/per_example.py [--quick] [--rounds N] [--models mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm,deeprnn]
 
-For eleven equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
+For twelve equinox models (an MLP 1024 wide at batch 256; a 2-block transformer of width 256
 at sequence 128, batch 32; issue 33's CNN: three 3x3 convolutions of 32, 64, 64 channels on
 32x32x3 images, each with a 2x2 max pool (``cnnpool``: the same with ``eqx.nn.MaxPool2d``), batch 64; a MobileNet-style CNN of the same widths whose
 blocks are a depthwise 3x3 (``groups`` = channels) and a pointwise 1x1; the GPT-2 port of
@@ -15,7 +15,8 @@ ViT of width 192, 4 blocks of 3 heads stacked with ``eqx.filter_vmap`` and run w
 32x32x3 images in 4x4 patches with a class token concatenated before them, batch 32; an
 ``eqx.nn.LSTMCell`` of width 256 run by ``lax.scan`` over 64 tokens, batch 32; ``deeplstm``: 3
 ``eqx.nn.LSTMCell`` layers of width 128 stacked with ``eqx.filter_vmap``, a scan over the layers
-running each over the 64 tokens) it
+running each over the 64 tokens; ``deeprnn``: the same with each cell an ``eqx.nn.Linear`` of
+``[x_t, h]``, an Elman cell written by hand) it
 compiles, side by side:
 
 - ``vmap(grad)`` + norms: ``jax.vmap(eqx.filter_grad(one_example_loss))`` then each leaf's
@@ -249,6 +250,31 @@ class DeepLSTM(eqx.Module):
         return jax.vmap(self.head)(hs)
 
 
+class DeepRNN(eqx.Module):
+    """``DeepLSTM`` with its cells written by hand: each layer an ``eqx.nn.Linear`` of ``[x_t, h]``
+    (an Elman cell), stacked by ``eqx.filter_vmap``, a scan over the layers running each over the positions."""
+
+    embed: eqx.nn.Embedding
+    cells: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, vocab, d, layers, key):
+        k = jax.random.split(key, 3)
+        self.embed, self.head = eqx.nn.Embedding(vocab, d, key=k[0]), eqx.nn.Linear(d, vocab, key=k[2])
+        self.cells = eqx.filter_vmap(lambda kk: eqx.nn.Linear(2 * d, d, key=kk))(jax.random.split(k[1], layers))
+
+    def __call__(self, ids):
+        params, static = eqx.partition(self.cells, eqx.is_array)
+
+        def layer(xs, p):
+            cell = eqx.combine(p, static)
+            step = lambda h, x_t: (jnp.tanh(cell(jnp.concatenate([x_t, h]))),) * 2  # noqa: E731
+            return jax.lax.scan(step, jnp.zeros(xs.shape[-1]), xs)[1], None
+
+        hs, _ = jax.lax.scan(layer, jax.vmap(self.embed)(ids), params)
+        return jax.vmap(self.head)(hs)
+
+
 def gpt2_port(vocab, d, heads, layers, positions, key):
     """The port of ``examples/hf_gpt2_port.py`` (its code, float32), from a config of these sizes."""
     import importlib.util
@@ -348,8 +374,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models, for a smoke run")
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm",
-                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm")
+    parser.add_argument("--models", default="mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm,deeprnn",
+                        help="comma-separated: mlp,transformer,cnn,cnnpool,dwcnn,port,stacked,fori,vit,lstm,deeplstm,deeprnn")
     args = parser.parse_args()
     which = args.models.split(",")
     key = jax.random.key(0)
@@ -377,6 +403,7 @@ def main():
     xv = jax.random.normal(key, (tb, 3, image, image))
     lstm = LSTM(512, d, key)
     deep_lstm = DeepLSTM(512, d // 2, 3, key)
+    deep_rnn = DeepRNN(512, d // 2, 3, key)
     print(f"MLP: {width} wide, 3 hidden layers, batch {batch}; transformer: width {d}, 2 blocks, seq {t}, batch {tb}; "
           f"CNN: {image}x{image}x3, conv {channels}, batch {cb}; depthwise CNN: the same, depthwise + pointwise blocks\n")
     print("| model | variant | temp memory (MiB) | x vmap(grad) | step (ms) | x vmap(grad) | x filter_grad |")
@@ -389,7 +416,8 @@ def main():
                           ("fori", fori, (ids, jnp.roll(ids, 1, axis=1)), lm_losses),
                           ("ViT", vit, (xv, yc[:tb]), mlp_losses),
                           ("LSTM", lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses),
-                          ("deepLSTM", deep_lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses)):
+                          ("deepLSTM", deep_lstm, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses),
+                          ("deepRNN", deep_rnn, (ids[:, : t // 2], jnp.roll(ids[:, : t // 2], 1, axis=1)), lm_losses)):
         if name.lower() in which:
             rows, rel[name] = measure(name, m, b, f, rounds)
             print("\n".join(rows))
