@@ -73,23 +73,28 @@ def over_loops(factors, loops: tuple, x, g):
     """The ``Use`` of a leaf read in the body of nested scans ``loops`` (outermost first: ``"stepped"``,
     a scan over the leaf's leading axis, its body reading one step's slice; ``"repeated"``, a scan whose
     body closes over it), from the values ``x`` and gradients ``g`` recorded there (one leading axis per
-    loop) and ``factors(x, g)`` of one step's (a ``Use`` or ``None``). The repeated loops' positions lie
-    side by side; under a stepped loop (one at most) it is ``("steps", Use)``, the steps on the ``Use``'s
-    leading axis, each step's slice a parameter of its own. ``None`` where ``factors`` gives ``None``, or
-    gives a convolution's factors under a repeated loop."""
+    loop) and ``factors(x, g)`` of one step's (a ``Use`` or ``None``; or a dict of them, one per leaf of a
+    layer, mapped alike). The repeated loops' positions lie side by side; under a stepped loop (one at
+    most) it is ``("steps", Use)``, the steps on the ``Use``'s leading axis, each step's slice a parameter
+    of its own. ``None`` where ``factors`` gives ``None``, or a convolution's factors under a repeated loop."""
     use = _over_loops(factors, loops, x, g)
-    return ("steps", use) if use is not None and "stepped" in loops else use
+    mark = lambda u: ("steps", u) if u is not None and "stepped" in loops else u  # noqa: E731
+    return {k: mark(u) for k, u in use.items()} if isinstance(use, dict) else mark(use)
 
 
-def _over_loops(factors, loops: tuple, x, g) -> Optional[Use]:
+def _over_loops(factors, loops: tuple, x, g):
     if not loops:
         return factors(x, g)
     use = jax.vmap(lambda xs, gs: _over_loops(factors, loops[1:], xs, gs))(x, g)
     if use is None or loops[0] == "stepped":
         return use
-    if not isinstance(use, Use):  # a convolution's factors keep their own layout: no positions to add to
-        return None
-    return jax.vmap(positions_over_steps, in_axes=1)(use) if "stepped" in loops[1:] else positions_over_steps(use)
+
+    def side_by_side(u):  # a convolution's factors keep their own layout: no positions to add to
+        if not isinstance(u, Use):
+            return None
+        return jax.vmap(positions_over_steps, in_axes=1)(u) if "stepped" in loops[1:] else positions_over_steps(u)
+
+    return {k: side_by_side(u) for k, u in use.items()} if isinstance(use, dict) else side_by_side(use)
 
 
 def _k(f) -> int:

@@ -267,18 +267,18 @@ class Call:
                 loops = _stepped_loops(occs, {leaves[a][2] for a in stepped}, axis)
                 if loops is None:
                     for a in stepped:
-                        why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in loops it is not the same call of, or sliced at two depths"
+                        why[leaves[a][1]] = (
+                            f"its layer {layer.path!r} is stacked and called in different loops, or its stack is sliced by two nested scans"
+                        )
                     continue
                 n, module = len(loops), step_module(layer.module, x.shape[loops.index("stepped")])
-
-                def step_factors(xs, gs, layer=layer, module=module, n=n):
-                    lead = n_lead - n
-                    return layer.rule.factors(
-                        module, examples_first(xs, axis - n, inner, lead), examples_first(gs.astype(dt), axis - n, inner, lead)
-                    )
-
-                per_step = {a: over_loops(lambda xs, gs, a=a: step_factors(xs, gs).get(a), loops, xf, g) for a in stepped}
+                step = lambda v: examples_first(v, axis - n, inner, n_lead - n)  # noqa: E731
+                per_step = over_loops(
+                    lambda xs, gs: {a: f for a, f in layer.rule.factors(module, step(xs), step(gs.astype(dt))).items() if a in stepped},
+                    loops, xf, g,
+                )
                 for a in stepped:
+                    per_step.setdefault(a, None)
                     if per_step[a] is None:
                         why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in a scan and called in a loop nested in it, which its rule does not cover"
             factors = {}
