@@ -379,17 +379,20 @@ def by_kind(ops):
 
 @check
 def per_example_fsdp_collectives():
-    """jt.per_example_norms and jt.clipped_grad on an FSDP-sharded equinox MLP (the batch and every
-    parameter over one axis of 8 devices): the numbers against vmap(grad) + clip on one device
-    (float64), and the compiled collectives against the plain gradient step (float32).
+    """jt.per_example_norms and jt.clipped_grad on an FSDP-sharded equinox MLP and a small CNN (the
+    batch and every parameter over one axis of 8 devices): the numbers against vmap(grad) + clip on
+    one device (float64), and the compiled collectives against the plain gradient step (float32).
 
-    per_example_norms: exactly the plain step's collectives plus one all-reduce (the norms).
+    per_example_norms: exactly the plain step's collectives plus one all-reduce (the norms) on the
+    MLP; none beyond the plain step's plus that one on the CNN.
     clipped_grad: the weighted sum contracts the factors as the plain backward contracts its
-    weight gradient, so no layer input is moved: every all-gather beyond the plain step's is at
-    most (B, 10) elements (the clipping weights, the last layer's output gradient), and at most
-    two all-reduces are added (the norms; the last bias, weighted after them). Not yet the
-    target of issue 33 (the plain step plus one all-reduce): XLA gathers the B clipping weights
-    and the last layer's weighted output gradient (docs/performance.md, Collectives under FSDP).
+    weight gradient, reading a Linear's input as the forward's own array (the CNN's flattened
+    feature map was gathered twice while it read a reshaped view), so no layer input is moved:
+    every all-gather beyond the plain step's is at most (B, 10) elements (the clipping weights, the
+    last layer's output gradient), and at most two all-reduces are added (the norms; the last bias,
+    weighted after them). Not yet the target of issue 33 (the plain step plus one all-reduce): XLA
+    gathers the B clipping weights and the last layer's weighted output gradient
+    (docs/performance.md, Collectives under FSDP).
     """
     import equinox as eqx
 
@@ -414,12 +417,22 @@ def per_example_fsdp_collectives():
         w = jnp.minimum(1.0, max_norm / jnp.sqrt(sq))
         return sq, jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, 1), per)
 
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    model = eqx.nn.MLP(64, 10, 128, 2, key=k1)
-    x, y = jax.random.normal(k2, (32, 64)), jax.random.randint(k3, (32,), 0, 10)
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    y = jax.random.randint(k3, (32,), 0, 10)
+    mlp = (eqx.nn.MLP(64, 10, 128, 2, key=k1), jax.random.normal(k2, (32, 64)))
+    cnn = eqx.nn.Sequential([
+        eqx.nn.Conv2d(3, 16, 3, key=k1), eqx.nn.Lambda(jax.nn.relu), eqx.nn.Lambda(jnp.ravel),
+        eqx.nn.Linear(16 * 6 * 6, 32, key=k4), eqx.nn.Lambda(jax.nn.relu), eqx.nn.Linear(32, 10, key=k2),
+    ])  # at these sizes XLA gathers the flattened map (32, 576) for the first Linear's weight gradient
+    for name, (model, x) in (("MLP", mlp), ("CNN", (cnn, jax.random.normal(k2, (32, 3, 8, 8))))):
+        _fsdp_collectives(name, model, x, y, losses, plain, by_vmap, fsdp, mesh, exact_norms=name == "MLP")
+
+
+def _fsdp_collectives(name, model, x, y, losses, plain, by_vmap, fsdp, mesh, exact_norms):
+    import equinox as eqx
+
     norms = lambda m, x, y: jt.per_example_norms(losses, total=True)(m, x, y)[1]  # noqa: E731
     clipped = lambda m, x, y: jt.clipped_grad(losses, 1.0)(m, x, y)[1]  # noqa: E731
-
     for dtype in (jnp.float64, jnp.float32):
         m, xb = jax.tree_util.tree_map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, (model, x))
         arrays, static = eqx.partition(m, eqx.is_array)
@@ -431,21 +444,25 @@ def per_example_fsdp_collectives():
         }
         if dtype == jnp.float64:
             want_sq, want_g = by_vmap(m, xb, y, 1.0)  # unsharded: one device
-            close(steps["norms"](sharded, *batch), want_sq, "per_example_norms, FSDP")
-            close(eqx.filter(steps["clipped"](sharded, *batch), eqx.is_array), eqx.filter(want_g, eqx.is_array), "clipped_grad, FSDP")
+            close(steps["norms"](sharded, *batch), want_sq, f"per_example_norms, FSDP, {name}")
+            close(eqx.filter(steps["clipped"](sharded, *batch), eqx.is_array), eqx.filter(want_g, eqx.is_array), f"clipped_grad, FSDP, {name}")
             continue
         ops = {n: collectives(s.lower(sharded, *batch).compile().as_text()) for n, s in steps.items()}
         base, got = by_kind(ops["plain"]), by_kind(ops["norms"])
         want = dict(base, **{"all-reduce": base.get("all-reduce", 0) + 1})
-        assert got == want, f"per_example_norms: {got}, want the plain step's {base} plus one all-reduce"
+        if exact_norms:
+            assert got == want, f"per_example_norms, {name}: {got}, want the plain step's {base} plus one all-reduce"
+        else:
+            assert all(got.get(k, 0) <= v for k, v in want.items()) and set(got) <= set(want), (
+                f"per_example_norms, {name}: {got}, want at most the plain step's {base} plus one all-reduce")
         gathers = [op for op in ops["clipped"] if op[0] == "all-gather"]
         for op in ops["plain"]:
             if op in gathers:
                 gathers.remove(op)
         big = [op for op in gathers if op[1] > x.shape[0] * 10]
-        assert not big, f"clipped_grad: all-gathers {big} beyond the plain step's, larger than (B, 10): a factor moved"
+        assert not big, f"clipped_grad, {name}: all-gathers {big} beyond the plain step's, larger than (B, 10): a factor moved"
         reduces = by_kind(ops["clipped"]).get("all-reduce", 0)
-        assert reduces <= base.get("all-reduce", 0) + 2, f"clipped_grad: {reduces} all-reduces, the plain step {base}"
+        assert reduces <= base.get("all-reduce", 0) + 2, f"clipped_grad, {name}: {reduces} all-reduces, the plain step {base}"
 
 
 # --- shard_map -------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HIGHEST", "Index", "Use", "examples_first", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum"]
+__all__ = ["HIGHEST", "Index", "Use", "examples_first", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -42,16 +42,20 @@ class Use:
     vector-shaped leaf such as a bias: ``b = 1``). ``outer(a, b)`` flattened is the leaf
     flattened (C order). ``out`` names the factor that is the layer's output gradient
     (``"a"`` or ``"b"``): the weighted sum scales that one, as the plain backward would.
+    ``rows``, where set, holds ``(a, b)`` as the forward's own ``(B * K, d)`` arrays (``None`` for
+    one not held so): the weighted sum reads those, so that under sharding XLA moves the very
+    arrays the plain backward moves, not a reshaped copy of them (see ``with_rows``).
     """
 
     a: Any
     b: Optional[jax.Array]
     out: str = "a"
+    rows: Any = None
 
 
 # Pytrees, so that the factors of a layer stacked in ``lax.scan`` can be mapped over its steps.
 jax.tree_util.register_dataclass(Index, data_fields=["ids"], meta_fields=["size"])
-jax.tree_util.register_dataclass(Use, data_fields=["a", "b"], meta_fields=["out"])
+jax.tree_util.register_dataclass(Use, data_fields=["a", "b", "rows"], meta_fields=["out"])
 
 
 def examples_first(x, axis: int, inner: int, n_lead: int) -> jax.Array:
@@ -63,9 +67,31 @@ def examples_first(x, axis: int, inner: int, n_lead: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[n_lead + 1 :])
 
 
+def with_rows(factors: dict, views: list) -> dict:
+    """``factors`` (a layer's ``{attr: Use}``) with each factor that is one of the ``(view, rows)``
+    pairs' views (a ``(B, K, d)`` array the pass gave the rule) also held as ``rows``, the
+    ``(B * K, d)`` array it was reshaped from.
+
+    XLA's SPMD partitioner reshards each instruction on its own: a layer input read back as
+    ``reshape(reshape(x))`` is gathered a second time under FSDP, where ``x`` itself reuses the
+    forward's gather (issue 33: the CNN's first Linear input, 256 KiB again per step).
+    """
+    def rows(f):
+        return next((flat for view, flat in views if f is view), None)
+
+    def keep(u):
+        if not isinstance(u, Use) or isinstance(u.a, Index):
+            return u
+        found = (rows(u.a), rows(u.b))
+        return dataclasses.replace(u, rows=found) if any(r is not None for r in found) else u
+
+    return {k: keep(u) for k, u in factors.items()}
+
+
 def positions_over_steps(use: Use) -> Use:
     """One ``Use`` from a ``Use`` per loop step (each array with a leading steps axis ``S``): the
     steps' positions side by side, ``(B, S * K, ...)``, as one use of the leaf read at every step."""
+    use = dataclasses.replace(use, rows=None)
     return jax.tree_util.tree_map(lambda t: jnp.moveaxis(t, 0, 1).reshape(t.shape[1], -1, *t.shape[3:]), use)
 
 
@@ -169,20 +195,22 @@ def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> ja
                 k = u.a.ids.shape[1]
                 part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(jnp.repeat(w, k))
             else:
-                part = _contract(_row_weights(w, u.a), _rows(u.a))
+                part = _contract(_row_weights(w, u.a), _rows(u.a, u.rows, 0))
         elif isinstance(u.a, Index):
             b = (u.b * w[:, None, None]).reshape(-1, u.b.shape[-1]).astype(dtype)
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b)
         else:
             wk = _row_weights(w, u.a)[:, None]
-            a, b = _rows(u.a), _rows(u.b)
+            a, b = _rows(u.a, u.rows, 0), _rows(u.b, u.rows, 1)
             part = _contract(a * wk, b) if u.out == "a" else _contract(a, b * wk)
         total = total + part
     return jnp.reshape(total, shape)
 
 
-def _rows(f) -> jax.Array:
-    """``(B, K, d)`` as ``(B * K, d)``."""
+def _rows(f, held=None, which: int = 0) -> jax.Array:
+    """``(B, K, d)`` as ``(B * K, d)``: the array ``held[which]`` where the pass kept it (``with_rows``)."""
+    if held is not None and held[which] is not None:
+        return held[which]
     return f.reshape(-1, f.shape[-1])
 
 

@@ -26,7 +26,7 @@ from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
 from .._tag import opened
-from ._factors import Use, examples_first, over_loops
+from ._factors import Use, examples_first, over_loops, with_rows
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
 from ._plan import plan_for
@@ -283,8 +283,11 @@ class Call:
                         why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in a scan and called in a loop nested in it, which its rule does not cover"
             factors = {}
             if set(leaves) - stepped:
-                xb, gb = examples_first(xf, axis, inner, n_lead), examples_first(g.astype(dt), axis, inner, n_lead)
+                gf = g.astype(dt)
+                xb, gb = examples_first(xf, axis, inner, n_lead), examples_first(gf, axis, inner, n_lead)
                 factors = layer.rule.factors(layer.module, xb, gb)
+                if n_lead == 1:  # one (B * K, d) array each: the weighted sum reads them, not their views
+                    factors = with_rows(factors, [(v, f) for v, f in ((xb, xf), (gb, gf)) if f.ndim == 2])
             for attr, (kind, i, *_) in leaves.items():
                 item = per_step.get(attr) if attr in stepped else factors.get(attr)
                 if item is None:
