@@ -249,25 +249,25 @@ class Call:
                 leaves[attr] = origin
             got, reason = self._layer_inputs(layer, tag_cts)
             if got is None:
-                for kind, i, *_ in leaves.values():
-                    why[i] = f"at its layer {layer.path!r}: {reason}"
+                for origin in leaves.values():
+                    why[origin.leaf] = f"at its layer {layer.path!r}: {reason}"
                 continue
             x, g, (axis, inner) = got
             ri, ro = layer.rule.ranks(layer.module)
             n_lead = x.ndim - ri
             if n_lead < 1 or g.ndim - ro != n_lead or x.shape[:n_lead] != g.shape[:n_lead] or axis >= n_lead:
-                for kind, i, *_ in leaves.values():
-                    why[i] = f"its layer {layer.path!r} is called with inputs of unexpected shapes"
+                for origin in leaves.values():
+                    why[origin.leaf] = f"its layer {layer.path!r} is called with inputs of unexpected shapes"
                 continue
-            stepped = {a for a, (kind, *_) in leaves.items() if kind == "step"}
+            stepped = {a for a, origin in leaves.items() if origin.stepped}
             per_step: dict = {}
-            dt = functools.reduce(jnp.promote_types, [dtypes[i] for _, i, *_ in leaves.values()], _compute_dtype(g.dtype))
+            dt = functools.reduce(jnp.promote_types, [dtypes[o.leaf] for o in leaves.values()], _compute_dtype(g.dtype))
             xf = x if not jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(dt)
             if stepped:
-                loops = _stepped_loops(occs, {leaves[a][2] for a in stepped}, axis)
+                loops = _stepped_loops(occs, {leaves[a].depth for a in stepped}, axis)
                 if loops is None:
                     for a in stepped:
-                        why[leaves[a][1]] = (
+                        why[leaves[a].leaf] = (
                             f"its layer {layer.path!r} is stacked and called in different loops, or its stack is sliced by two nested scans"
                         )
                     continue
@@ -280,7 +280,7 @@ class Call:
                 for a in stepped:
                     per_step.setdefault(a, None)
                     if per_step[a] is None:
-                        why[leaves[a][1]] = f"its layer {layer.path!r} is stacked in a scan and called in a loop nested in it, which its rule does not cover"
+                        why[leaves[a].leaf] = f"its layer {layer.path!r} is stacked in a scan and called in a loop nested in it, which its rule does not cover"
             factors = {}
             if set(leaves) - stepped:
                 gf = g.astype(dt)
@@ -288,12 +288,12 @@ class Call:
                 factors = layer.rule.factors(layer.module, xb, gb)
                 if n_lead == 1:  # one (B * K, d) array each: the weighted sum reads them, not their views
                     factors = with_rows(factors, [(v, f) for v, f in ((xb, xf), (gb, gf)) if f.ndim == 2])
-            for attr, (kind, i, *_) in leaves.items():
+            for attr, origin in leaves.items():
                 item = per_step.get(attr) if attr in stepped else factors.get(attr)
                 if item is None:
                     continue
-                uses.setdefault(i, []).append(item)
-                owned.setdefault(layer.path, set()).add(i)
+                uses.setdefault(origin.leaf, []).append(item)
+                owned.setdefault(layer.path, set()).add(origin.leaf)
         cut_reads = {}
         for name, read in self.reads.items():
             i = read.leaf

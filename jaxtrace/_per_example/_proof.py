@@ -44,7 +44,7 @@ reads both from the jaxpr of ``fun(leaves)``, never from shapes:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -61,6 +61,18 @@ __all__ = ["prove"]
 # --- the records --------------------------------------------------------------
 
 
+class Origin(NamedTuple):
+    """Where a layer's parameter comes from: leaf ``leaf`` itself, or (``depth`` set) one step's
+    slice of it, sliced by the enclosing scan at ``depth`` (0: the outermost) of a stack in ``lax.scan``."""
+
+    leaf: int
+    depth: Optional[int] = None
+
+    @property
+    def stepped(self) -> bool:
+        return self.depth is not None
+
+
 @dataclasses.dataclass
 class Occurrence:
     """One call of a covered layer, as the program has it."""
@@ -68,8 +80,7 @@ class Occurrence:
     ctx: tuple  # the equations (calls, loops) that hold it, outermost first
     eqn: Any  # the output tag's equation
     out: Any = None  # ownership of its output (Axis / Every / None)
-    params: dict = dataclasses.field(default_factory=dict)  # attribute -> ("leaf", i) | ("step", i, depth) | None
-    # ("step", i, depth): one step's slice of leaf i, sliced by the enclosing scan ``depth`` (0: the outermost)
+    params: dict = dataclasses.field(default_factory=dict)  # attribute -> Origin | None
     steps: int = 0  # enclosing scans
 
 
@@ -134,7 +145,7 @@ def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[di
     body are listed the same way.
     """
     analysis = _Analysis(batch, layer_paths)
-    origins = [("leaf", i) for i in range(n_leaves)] + [None] * (len(jaxpr.invars) - n_leaves)
+    origins = [Origin(i) for i in range(n_leaves)] + [None] * (len(jaxpr.invars) - n_leaves)
     deps = [True] * n_leaves + [False] * (len(jaxpr.invars) - n_leaves)
     analysis.forward(jaxpr, [None] * len(jaxpr.constvars) + origins, [False] * len(jaxpr.constvars) + deps, (), 0)
     outs: list = [None] * len(jaxpr.outvars)
@@ -192,7 +203,7 @@ class _Analysis:
             elif kind == _higher_order.SCAN:
                 p = _equation_params.scan_params(eqn)
                 k, c = p.num_consts, p.num_carry
-                body_ins = ins[:k] + [None] * c + [("step", o[1], steps) if o and o[0] == "leaf" else None for o in ins[k + c :]]
+                body_ins = ins[:k] + [None] * c + [Origin(o.leaf, steps) if isinstance(o, Origin) and not o.stepped else None for o in ins[k + c :]]
                 carry = list(in_deps[k : k + c])
                 while True:
                     _, bd = self._call(p.body, body_ins, in_deps[:k] + carry + in_deps[k + c :], (*ctx, eqn), steps + 1)
