@@ -12,6 +12,9 @@ interleaved round by round (each round times every variant once, in a random ord
   ``max_abs``, ``nonfinite``),
 - the same two written by hand on the base step's cotangents (``sqrt(sum(g**2))`` etc., what
   one would write without jaxtrace),
+- the norm and the five by hand with ``jt.stats``' guarantees (the sums also at fixed power-of-two
+  scales, so a norm past float32's square range is still right): the same results, each sum its
+  own ``jnp.sum``,
 
 and prints the median per-round ratio to the base, and the reduce ops in each compiled step (a
 count the machine's load does not change). Process CPU time is beside wall time: XLA:CPU runs a
@@ -21,6 +24,7 @@ step on every core, so on a shared machine wall time moves with the load.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import re
@@ -61,6 +65,36 @@ def by_hand(tag_grads, stats, loops):
     return {n: one(g, loops[n]) for n, g in tag_grads.items()}
 
 
+def by_hand_guarded(tag_grads, loops, stats=ALL):
+    """All five written by hand with the guarantees ``jt.stats`` gives: the sums of squares (and of
+    ``|g|``) also taken at fixed power-of-two scales, the one in range picked after the sums, so
+    that a norm above ``sqrt(float32 max)`` or below ``sqrt(float32 tiny)`` is still right; each
+    sum a plain ``jnp.sum`` (XLA's vectorised reduction), not one pass."""
+
+    def one(g, loops):
+        axes = tuple(range(loops, g.ndim))
+        e = jnp.finfo(g.dtype).maxexp
+        down, up, tiny = 2.0 ** -(3 * e // 4), 2.0 ** (e // 2), 2.0 ** -(e // 2 - 4)
+        a = jnp.abs(g)
+        mid, hi, lo = (jnp.sum(jnp.square(g * s), axis=axes) for s in (1.0, down, up))
+        use_hi, use_lo = jnp.isinf(mid), mid < tiny
+        sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
+        scale = jnp.where(use_hi, 1 / down, jnp.where(use_lo, 1 / up, 1.0))
+        n = math.prod(g.shape[loops:])
+        s_abs, s_abs_hi = jnp.sum(a, axis=axes), jnp.sum(a * down, axis=axes)
+        if stats == ("norm",):
+            return {"norm": scale * jnp.sqrt(sq)}
+        return {
+            "norm": scale * jnp.sqrt(sq),
+            "rms": scale * jnp.sqrt(sq / n),
+            "mean_abs": jnp.where(jnp.isinf(s_abs), (s_abs_hi / n) / down, s_abs / n),
+            "max_abs": jnp.where(jnp.isnan(mid), jnp.nan, jnp.max(a, axis=axes)),
+            "nonfinite": jnp.sum(~jnp.isfinite(g), axis=axes) / n,
+        }
+
+    return {n: one(g, loops[n]) for n, g in tag_grads.items()}
+
+
 def variants(model, params, x):
     loss = lambda p, x: model.loss(p, x, jt.tag)  # noqa: E731
     norms = jax.eval_shape(lambda p, x: jt.stats.value_and_grad(loss, stats="norm")(p, x)[1][1], params, x)
@@ -83,12 +117,22 @@ def variants(model, params, x):
         value, (grads, tag_grads) = base(p, x)
         return value, (grads, by_hand(tag_grads, ALL, loops))
 
+    def hand_guarded(p, x):
+        value, (grads, tag_grads) = base(p, x)
+        return value, (grads, by_hand_guarded(tag_grads, loops))
+
+    def hand_norm_guarded(p, x):
+        value, (grads, tag_grads) = base(p, x)
+        return value, (grads, by_hand_guarded(tag_grads, loops, ("norm",)))
+
     return {
         "jt.value_and_grad (base)": base,
         'stats="norm"': stats_norm,
         "hand norm": hand_norm,
+        "hand norm, range-guarded": hand_norm_guarded,
         "all five stats": stats_all,
         "hand, all five": hand_all,
+        "hand, all five, range-guarded": hand_guarded,
     }
 
 
@@ -103,6 +147,11 @@ def measure(model, rounds, min_time=0.2):
         jax.block_until_ready(step(params, x))
         repeats = max(1, int(min_time / max(time.perf_counter() - t, 1e-6)))
         steps[name] = (step, repeats, len(re.findall(r"\sreduce\(", step.as_text())))
+    # the guarded hand-written statistics are jt.stats' own: the same numbers (float32 rounding apart)
+    for ours, hand in (('stats="norm"', "hand norm, range-guarded"), ("all five stats", "hand, all five, range-guarded")):
+        a, b = (jax.tree.leaves(steps[k][0](params, x)[1][1]) for k in (ours, hand))
+        off = max(float(jnp.max(jnp.abs(u - v) / jnp.maximum(jnp.abs(v), 1e-30))) for u, v in zip(a, b, strict=True))
+        assert off < 1e-4, f"{model.name}: {ours} and {hand} differ by {off:.1e} (relative)"
     n = min(r for _, r, _ in steps.values())
     samples = {k: [] for k in steps}
     rng = random.Random(0)
