@@ -75,15 +75,15 @@ def by_hand_guarded(tag_grads, loops, stats=ALL):
         axes = tuple(range(loops, g.ndim))
         e = jnp.finfo(g.dtype).maxexp
         down, up, tiny = 2.0 ** -(3 * e // 4), 2.0 ** (e // 2), 2.0 ** -(e // 2 - 4)
-        a = jnp.abs(g)
         mid, hi, lo = (jnp.sum(jnp.square(g * s), axis=axes) for s in (1.0, down, up))
         use_hi, use_lo = jnp.isinf(mid), mid < tiny
         sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
         scale = jnp.where(use_hi, 1 / down, jnp.where(use_lo, 1 / up, 1.0))
-        n = math.prod(g.shape[loops:])
-        s_abs, s_abs_hi = jnp.sum(a, axis=axes), jnp.sum(a * down, axis=axes)
         if stats == ("norm",):
             return {"norm": scale * jnp.sqrt(sq)}
+        n = math.prod(g.shape[loops:])
+        a = jnp.abs(g)
+        s_abs, s_abs_hi = jnp.sum(a, axis=axes), jnp.sum(a * down, axis=axes)
         return {
             "norm": scale * jnp.sqrt(sq),
             "rms": scale * jnp.sqrt(sq / n),

@@ -195,23 +195,24 @@ def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> ja
                 k = u.a.ids.shape[1]
                 part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(jnp.repeat(w, k))
             else:
-                part = _contract(_row_weights(w, u.a), _rows(u.a, u.rows, 0))
+                part = _contract(_row_weights(w, u.a), _rows(u, "a"))
         elif isinstance(u.a, Index):
             b = (u.b * w[:, None, None]).reshape(-1, u.b.shape[-1]).astype(dtype)
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b)
         else:
             wk = _row_weights(w, u.a)[:, None]
-            a, b = _rows(u.a, u.rows, 0), _rows(u.b, u.rows, 1)
+            a, b = _rows(u, "a"), _rows(u, "b")
             part = _contract(a * wk, b) if u.out == "a" else _contract(a, b * wk)
         total = total + part
     return jnp.reshape(total, shape)
 
 
-def _rows(f, held=None, which: int = 0) -> jax.Array:
-    """``(B, K, d)`` as ``(B * K, d)``: the array ``held[which]`` where the pass kept it (``with_rows``)."""
-    if held is not None and held[which] is not None:
-        return held[which]
-    return f.reshape(-1, f.shape[-1])
+def _rows(u: Use, which: str) -> jax.Array:
+    """The factor ``which`` (``"a"`` or ``"b"``) of ``u``, ``(B, K, d)``, as ``(B * K, d)``: the
+    forward's own array where the pass kept it (``with_rows``), else a reshape."""
+    held = u.rows[0 if which == "a" else 1] if u.rows is not None else None
+    f = getattr(u, which)
+    return held if held is not None else f.reshape(-1, f.shape[-1])
 
 
 def _row_weights(w, f) -> jax.Array:
