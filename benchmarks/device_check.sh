@@ -1,43 +1,126 @@
 #!/usr/bin/env bash
-# The accelerator check: the test suite and the benchmarks on whatever JAX sees (GPU, TPU or CPU).
+# The accelerator check: a part of the suite and the benchmarks on whatever JAX sees (GPU, TPU or
+# CPU), on a machine that reaches no package index. It installs nothing and builds nothing.
 #
-#   bash benchmarks/device_check.sh            # the suite, then benchmarks/run.py --quick
-#   bash benchmarks/device_check.sh --full     # the full benchmark suite
-#   TESTS="tests/test_grad.py" bash benchmarks/device_check.sh   # a subset of the suite
+#   bash benchmarks/device_check.sh                          # every part, 8 minutes at most
+#   TESTS="tests/test_grad.py" bash benchmarks/device_check.sh   # another part of the suite
+#   PARTS="versions tests" bash benchmarks/device_check.sh       # some parts only
+#   LOGS=/some/dir bash benchmarks/device_check.sh               # where the logs go
 #
-# It keeps the JAX already installed (an accelerator machine ships its own CUDA or TPU build):
-# jaxtrace and the test tools are installed beside it with pip, never a replacement JAX. Where no
-# JAX is installed it installs the default (CPU) one. Prints the versions (JAX, jaxlib, the
-# devices, the NVIDIA driver where there is one), the suite's summary and the benchmark table,
-# and writes the benchmark JSON to benchmarks/results/.
+# It needs a Python (PYTHON, default python3) that already has JAX (the machine's CUDA or TPU
+# build), equinox, pytest and hypothesis (pytest-xdist, optax and torch where present are used);
+# jaxtrace is imported from this checkout through PYTHONPATH, not installed. The parts, each under
+# its own time limit (seconds, in brackets) with its log kept in $LOGS/<part>.log:
+#
+#   versions   [30]   Python, JAX, jaxlib, the devices, the NVIDIA driver, where jaxtrace comes from
+#   tests      [150]  pytest on $TESTS, $WORKERS workers sharing the accelerator (no preallocation)
+#   run        [90]   benchmarks/run.py --quick, the models only (its JSON is $LOGS/run.json)
+#   peers      [110]  benchmarks/per_example_peers.py: GPU sizes on a GPU, --quick elsewhere
+#   stats      [40]   benchmarks/stats_step.py, a few rounds
+#   nonfinite  [40]   benchmarks/nonfinite_peers.py, a few rounds
+#
+# It prints each part's status and the end of its log, and exits 0 when every part it ran did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 PY=${PYTHON:-python3}
-MODE=--quick
-[ "${1:-}" = "--full" ] && MODE=""
-export PIP_DISABLE_PIP_VERSION_CHECK=1
+PARTS=${PARTS:-versions tests run peers stats nonfinite}
+LOGS=${LOGS:-$ROOT/benchmarks/results/device-check-$(date +%Y%m%d-%H%M%S)}
+TESTS=${TESTS:-tests/test_grad.py tests/test_transforms.py tests/test_cost.py tests/test_stats.py tests/test_nonfinite.py tests/test_per_example.py tests/test_device_check.py}
+mkdir -p "$LOGS"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test workers share one accelerator
+export PIP_NO_INDEX=1                       # nothing below may reach for an index
 
-if $PY -c "import jax" 2>/dev/null; then
-    $PY -m pip install -q --no-deps -e . && $PY -m pip install -q "equinox>=0.13" pytest hypothesis optax matplotlib
+# The workers: where pytest-xdist is installed, one per two cores, at most 8; else one.
+if $PY -c "import xdist" 2>/dev/null; then
+    half=$(( $(nproc) / 2 )); [ "$half" -ge 1 ] || half=1; [ "$half" -le 8 ] || half=8
+    WORKERS=${WORKERS:-$half}
+    XDIST="-n $WORKERS"
 else
-    $PY -m pip install -q -e ".[test]"
-fi || { echo "device_check: the install failed"; exit 1; }
+    WORKERS=1 XDIST=""
+fi
+GPU=$($PY -c "import jax; print(int(jax.default_backend() == 'gpu'))" 2>/dev/null || echo 0)
 
-echo "== versions"
-$PY - <<'PY'
-import platform, jax, jaxlib
-print(f"python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}")
-print(f"backend {jax.default_backend()}: {jax.devices()}")
+part_versions() {
+    $PY - <<'PY'
+import importlib, os, platform
+import jax, jaxlib
+import jaxtrace
+print(f"python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+      f"jaxtrace {jaxtrace.__version__} from {os.path.dirname(jaxtrace.__file__)}")
+print(f"backend {jax.default_backend()}: {jax.device_count()} device(s), {jax.devices()[0].device_kind}: {jax.devices()}")
+for name in ("equinox", "optax", "flax", "torch", "pytest", "xdist", "hypothesis"):
+    try:
+        module = importlib.import_module(name)
+        extra = ""
+        if name == "torch":
+            extra = f" (CUDA {module.version.cuda}, available: {module.cuda.is_available()})"
+        print(f"{name} {getattr(module, '__version__', '?')}{extra}")
+    except Exception as e:
+        print(f"{name}: not importable ({type(e).__name__})")
 PY
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "(no NVIDIA driver)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "(no NVIDIA driver)"
+}
 
-echo "== test suite"
-$PY -m pytest -q ${TESTS:-tests} 2>&1 | tail -n 20
-suite=${PIPESTATUS[0]}
+part_tests() {
+    # shellcheck disable=SC2086
+    $PY -m pytest -q $XDIST -p no:cacheprovider $TESTS
+}
 
-echo "== benchmarks"
-$PY benchmarks/run.py $MODE
-bench=$?
+part_run() {
+    $PY benchmarks/run.py --quick --no-large --no-scaling --sweep none --out "$LOGS/run.json"
+}
 
-echo "== device check: suite exit $suite, benchmarks exit $bench"
-[ "$suite" -eq 0 ] && [ "$bench" -eq 0 ]
+part_peers() {
+    if [ "$GPU" = 1 ]; then
+        $PY benchmarks/per_example_peers.py --sizes gpu --rounds 5 --models mlp,cnn,transformer
+    else
+        $PY benchmarks/per_example_peers.py --quick --models mlp,cnn,transformer
+    fi
+}
+
+part_stats() {
+    $PY benchmarks/stats_step.py --rounds 5 --models mlp,cnn
+}
+
+part_nonfinite() {
+    $PY benchmarks/nonfinite_peers.py --rounds 3 --no-torch
+}
+
+limit_of() {
+    case $1 in
+        versions) echo 30 ;; tests) echo 150 ;; run) echo 90 ;; peers) echo 110 ;; *) echo 40 ;;
+    esac
+}
+
+STATUS=0
+SUMMARY=()
+START=$(date +%s)
+for part in $PARTS; do
+    if ! declare -F "part_$part" >/dev/null; then
+        echo "device_check: there is no part '$part' (the parts: versions tests run peers stats nonfinite)" >&2
+        exit 2
+    fi
+    limit=${LIMIT:-$(limit_of "$part")}
+    t0=$(date +%s)
+    echo "== $part (at most ${limit} s; log $LOGS/$part.log)"
+    export -f "part_$part"
+    export PY XDIST TESTS LOGS GPU
+    timeout --kill-after=10 "$limit" bash -c "part_$part" >"$LOGS/$part.log" 2>&1
+    rc=$?
+    seconds=$(( $(date +%s) - t0 ))
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        verdict="TIMED OUT after ${limit} s"
+    elif [ "$rc" -ne 0 ]; then
+        verdict="FAILED (exit $rc)"
+    else
+        verdict="passed"
+    fi
+    [ "$rc" -eq 0 ] || STATUS=1
+    tail -n 25 "$LOGS/$part.log"
+    SUMMARY+=("$(printf '%-10s %-26s %4s s' "$part" "$verdict" "$seconds")")
+done
+echo "== device check ($(( $(date +%s) - START )) s; logs in $LOGS)"
+printf '%s\n' "${SUMMARY[@]}" | tee "$LOGS/summary.txt"
+exit "$STATUS"

@@ -46,6 +46,9 @@ if os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(HERE)), "jaxtrace"
 
 import jaxtrace as jt  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(HERE))
+from timers import device  # noqa: E402
+
 
 # --- the programs: t(value, name) marks the places a tool looks at -------------------------------
 
@@ -304,7 +307,7 @@ def main():
     parser.add_argument("--only", default="", help="run the programs whose name contains this")
     args = parser.parse_args()
     start = time.perf_counter()
-    print(f"JAX {jax.__version__}, equinox {eqx.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores, "
+    print(f"JAX {jax.__version__}, equinox {eqx.__version__}, {device()}, {os.cpu_count()} cores, "
           f"load {os.getloadavg()[0]:.1f} (1 min) at the start, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     try:
         torch_cases = {} if args.no_torch else torch_runs()

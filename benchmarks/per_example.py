@@ -48,6 +48,7 @@ import numpy as np
 import jaxtrace as jt
 
 import per_example_peers  # noqa: E402  (the same directory: its JAX models; torch is imported only where used)
+from timers import device  # noqa: E402
 
 
 class Block(eqx.Module):
@@ -390,7 +391,7 @@ def main():
     y = jax.random.randint(key, (batch,), 0, 10)
     lm = Transformer(512, d, 4, 2, key)
     ids = jax.random.randint(key, (tb, t), 0, 512)
-    print(f"JAX {jax.__version__}, {jax.devices()[0].platform}, load {os.getloadavg()[0]:.1f} (1 min)")
+    print(f"JAX {jax.__version__}, {device()}, load {os.getloadavg()[0]:.1f} (1 min)")
     cnn = CNN(image, channels, 128, 10, key)
     xc = jax.random.normal(key, (cb, 3, image, image))
     yc = jax.random.randint(key, (cb,), 0, 10)

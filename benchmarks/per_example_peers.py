@@ -1,7 +1,13 @@
 """Per-example clipping (DP-SGD): jaxtrace against its peers, side by side in one process.
 
-    python benchmarks/per_example_peers.py [--quick] [--rounds N] [--models mlp,cnn,transformer,gpt2]
-                                           [--columns SUBSTRING,...] [--gpt2-vocab V] ...
+    python benchmarks/per_example_peers.py [--quick | --sizes gpu] [--rounds N] [--models mlp,cnn,transformer,gpt2]
+                                           [--columns SUBSTRING,...] [--gpt2-vocab V] [--tf32] ...
+
+On a GPU (``--sizes gpu``: an MLP at batch 1,024, the CNN at batch 256, a 4-block transformer at
+sequence 256) the torch models and batches live on the GPU where torch sees CUDA, each torch step
+is timed between two ``torch.cuda.synchronize()`` calls, and its memory is the CUDA allocator's
+peak. Float32 precision is the same on both sides: full float32 by default (JAX's ``highest``,
+torch's ``allow_tf32`` off for matmuls and cuDNN), or TF32 on both with ``--tf32``.
 
 Models (the same architecture and size in JAX/equinox and in PyTorch; weights are not equal,
 which timing does not need):
@@ -99,10 +105,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxtrace as jt  # noqa: E402
-from timers import interleave, median_ratio  # noqa: E402
+from timers import cuda_peak_bytes, device, interleave, median_ratio, synchronized, torch_sync  # noqa: E402
 
 MAX_NORM = 1.0
 BASE = "jt.clipped_grad"
+TORCH_DEVICE = "cpu"  # main() sets "cuda" where torch sees a GPU
 TORCH_POSITIONS = ("the torch models make their position ids inside forward as arange(T).repeat(B, 1): Opacus "
                    "crashes on the (1, T) ids GPT2Model makes by itself ('stack expects each tensor to be equal "
                    "size'), and its ghost embedding norm needs contiguous ids (arange(T).expand(B, T) fails in "
@@ -121,6 +128,13 @@ class Sizes:
 
 
 def sizes(args) -> Sizes:
+    if args.sizes == "gpu":  # the batches a GPU user trains with
+        return Sizes(
+            mlp=dict(batch=1024, d_in=784, width=512, depth=3, classes=10),
+            cnn=dict(batch=256, image=32, channels=(32, 64, 64), hidden=128, classes=10),
+            transformer=dict(batch=16, seq=256, vocab=512, d=256, heads=4, depth=4),
+            gpt2=dict(batch=args.gpt2_batch, seq=args.gpt2_seq, vocab=args.gpt2_vocab, d=768, heads=12, layers=args.gpt2_layers),
+        )
     if args.quick:
         return Sizes(
             mlp=dict(batch=8, d_in=16, width=16, depth=2, classes=4),
@@ -527,12 +541,12 @@ def torch_columns(case: Case, wanted) -> dict[str, Callable[[], Callable[[], Non
     import torch
 
     x = torch.as_tensor(case.batch[0]) if case.batch[0].dtype != np.int64 else torch.as_tensor(case.batch[0]).long()
-    y = torch.as_tensor(case.batch[1]).long()
+    x, y = x.to(TORCH_DEVICE), torch.as_tensor(case.batch[1]).long().to(TORCH_DEVICE)
     batch = x.shape[0]
     cols = {}
 
     def plain():
-        model = case.torch_model().train()
+        model = torch_model(case)
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -564,7 +578,7 @@ def opacus_per_sample(case, x, y, batch):
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
-    model = GradSampleModule(case.torch_model().train(), loss_reduction="sum")
+    model = GradSampleModule(torch_model(case), loss_reduction="sum")
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0, max_grad_norm=MAX_NORM,
                       expected_batch_size=batch, loss_reduction="sum")
 
@@ -583,7 +597,7 @@ def opacus_ghost(case, x, y, batch):
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    model = GradSampleModuleFastGradientClipping(case.torch_model().train(), max_grad_norm=MAX_NORM,
+    model = GradSampleModuleFastGradientClipping(torch_model(case), max_grad_norm=MAX_NORM,
                                                  use_ghost_clipping=True, loss_reduction="sum")
     opt = DPOptimizerFastGradientClipping(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
                                           max_grad_norm=MAX_NORM, expected_batch_size=batch, loss_reduction="sum")
@@ -617,7 +631,7 @@ def backpack_step(case, x, y, l2_only):
     from backpack import backpack, extend
     from backpack.extensions import BatchGrad, BatchL2Grad
 
-    model = extend(case.torch_model().train())
+    model = extend(torch_model(case))
     params = [p for p in model.parameters() if p.requires_grad]
     owner = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(recurse=False)}
     ext = BatchL2Grad() if l2_only else BatchGrad()
@@ -642,6 +656,11 @@ def backpack_step(case, x, y, l2_only):
     if not l2_only:
         step.clipped = params
     return step
+
+
+def torch_model(case: Case):
+    """The case's torch model in training mode, on ``TORCH_DEVICE``."""
+    return case.torch_model().train().to(TORCH_DEVICE)
 
 
 def torch_peak_bytes(step) -> float:
@@ -686,7 +705,7 @@ def build_torch(case: Case, wanted, results: dict) -> dict:
                     ref_name, ref = results["_torch_ref"]
                     diff = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(grads, ref))
                     results.setdefault("_torch_check", []).append(f"{name} {diff:.1e}")
-            mem = torch_peak_bytes(step)
+            mem = cuda_peak_bytes(step) if TORCH_DEVICE == "cuda" else torch_peak_bytes(step)
         except Exception as e:
             note(f"{case.name}: {name} skipped: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
             continue
@@ -698,18 +717,14 @@ def build_torch(case: Case, wanted, results: dict) -> dict:
 # --- main -------------------------------------------------------------------------------------
 
 
-def timed(step):
-    def run():
-        t = time.perf_counter()
-        step()
-        return {"step": time.perf_counter() - t}
-
-    return run
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, every column once (a smoke run)")
+    parser.add_argument("--sizes", choices=("default", "quick", "gpu"), default=None,
+                        help="the models' sizes: default (CPU), quick (--quick), gpu (MLP batch 1,024, CNN batch 256, "
+                        "a 4-block transformer at sequence 256)")
+    parser.add_argument("--tf32", action="store_true", help="float32 matrix products and convolutions in TF32 on "
+                        "both sides (JAX's 'tensorfloat32', torch's allow_tf32); default: full float32 on both")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (default 10; --quick: 1)")
     parser.add_argument("--models", default="mlp,cnn,transformer,gpt2", help="comma-separated: mlp,cnn,transformer,gpt2")
     parser.add_argument("--columns", default="", help="comma-separated substrings: run only the columns whose "
@@ -723,6 +738,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="threads for torch and XLA (default: every "
                         "core; 1 on a loaded machine, where OpenMP's barriers stall when a thread is descheduled)")
     args = parser.parse_args()
+    args.sizes = args.sizes or ("quick" if args.quick else "default")
+    args.quick = args.sizes == "quick"
     rounds = 1 if args.quick else args.rounds
     subs = [c.strip() for c in args.columns.split(",") if c.strip()]
     wanted = lambda name: name == BASE or not subs or any(s in name for s in subs)  # noqa: E731
@@ -736,6 +753,10 @@ def main():
             torch_ok = True
             if args.threads:
                 torch.set_num_threads(args.threads)
+            global TORCH_DEVICE
+            TORCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+            # torch's defaults differ by op (cuDNN convolutions in TF32, matmuls not): one setting for both
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
         except ImportError as e:
             note(f"every PyTorch column (Opacus, BackPACK) skipped: torch is not installed ({e})")
 
@@ -748,21 +769,30 @@ def main():
         except Exception:
             pass
     print(", ".join(versions))
+    jax.config.update("jax_default_matmul_precision", "tensorfloat32" if args.tf32 else "highest")
+    precision = ("float32 matmuls and convolutions in TF32 on both sides" if args.tf32 else
+                 "float32 matmuls and convolutions in full float32 on both sides (JAX precision 'highest', torch "
+                 "allow_tf32 off)")
+    dev = jax.devices()[0]
+    print(f"JAX on {dev.platform} ({dev.device_kind}); torch on {TORCH_DEVICE if torch_ok else '-'}"
+          + (f" ({torch.cuda.get_device_name()})" if torch_ok and TORCH_DEVICE == "cuda" else "") + f"; {precision}")
     threads = f"{args.threads} thread(s)" if args.threads else "every core"
-    print(f"{jax.devices()[0].platform}, {os.cpu_count()} cores, {threads}, load {os.getloadavg()[0]:.1f} (1 min) at the start, "
-          f"{rounds} interleaved round(s){', --quick sizes' if args.quick else ''}")
+    print(f"{device()}, {os.cpu_count()} cores, {threads}, load {os.getloadavg()[0]:.1f} (1 min) at the start, "
+          f"{rounds} interleaved round(s), {args.sizes} sizes")
 
     tables = []
     start = time.perf_counter()
     for case in cases(sizes(args), which):
         results: dict = {}
         runs = compile_jax(case, {k: v for k, v in jax_columns(case.losses).items() if wanted(k)}, results)
-        if torch_ok and case.torch_model is not None:
-            runs.update(build_torch(case, wanted, results))
+        torch_runs = build_torch(case, wanted, results) if torch_ok and case.torch_model is not None else {}
+        runs.update(torch_runs)
         if BASE not in runs:
             note(f"{case.name}: no {BASE}, so no ratios")
             continue
-        samples = interleave({k: timed(v) for k, v in runs.items()}, rounds, seed=args.seed)
+        sync = torch_sync(TORCH_DEVICE) if torch_ok else None  # JAX's steps block on their results themselves
+        samples = interleave({k: synchronized(v, sync if k in torch_runs else None) for k, v in runs.items()},
+                             rounds, seed=args.seed)
         tables.append((case, results, samples))
         print(f"  {case.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
 
@@ -782,8 +812,8 @@ def main():
         if results.get("_torch_check"):
             extra += f"; the torch clipped sums against {results['_torch_ref'][0]}'s: " + ", ".join(results["_torch_check"])
         print(f"- {case.name}: {case.describe}{extra}")
-    print("\nMemory: JAX, the compiled step's temporaries + outputs (memory_analysis); torch, the peak of its CPU "
-          "allocator over one step (torch.profiler memory events). Build: JAX, lower + compile; torch, wrapping "
+    print("\nMemory: JAX, the compiled step's temporaries + outputs (memory_analysis); torch, the peak of its "
+          f"{'CUDA' if TORCH_DEVICE == 'cuda' else 'CPU'} allocator over one step above what it held before. Build: JAX, lower + compile; torch, wrapping "
           "the model (Opacus's and BackPACK's hooks). Timings on a shared machine move with its load: read the "
           "ratios (per round, then the median), not the milliseconds.")
     if _NOTES:

@@ -7,7 +7,8 @@ from drivers import ALL, HAND, HOOK, ONE, PLAIN, RECIPE
 # Ratios to plain unless said otherwise. Issue 6: step and memory; issue 25: build time against the
 # recipe and the hand-written program (trace + lower in CPU time, the figure least disturbed by load).
 TARGETS = {
-    "step_over_hand": 1.03,  # step time, all tags, / hand-written + eps
+    "step_over_hand": 1.03,  # step time, all tags, / hand-written + eps (on a GPU: step_over_hand_gpu)
+    "step_over_hand_gpu": 1.02,  # issue 54: the GPU step, where no Python or thread noise hides a cost
     "trace_over_best": 1.10,  # trace + lower (CPU), / the faster of recipe and hand
     "total_over_hand": 1.05,  # trace + compile, / hand
     "one_total": 1.05,  # trace + compile with one tag of 2,000 selected, / plain
@@ -125,8 +126,9 @@ def check_targets(results: dict) -> list[dict]:
         rows["large"] = results["large"]
     steps = {m: r["variants"][ALL]["step_over_hand"] for m, r in rows.items() if "step_over_hand" in r["variants"][ALL]}
     if steps:
-        add(f"step time with all tags <= {TARGETS['step_over_hand']}x hand",
-            ", ".join(f"{m} {w:.3f}x" for m, w in steps.items()), all(w <= TARGETS["step_over_hand"] for w in steps.values()))
+        limit = TARGETS["step_over_hand_gpu" if results["machine"]["backend"] == "gpu" else "step_over_hand"]
+        add(f"step time with all tags <= {limit}x hand on {results['machine']['backend']}",
+            ", ".join(f"{m} {w:.3f}x" for m, w in steps.items()), all(w <= limit for w in steps.values()))
     builds = {m: r["variants"][ALL] for m, r in rows.items()}
     for key in ("compile_sweep", "compile_sweep_shared"):
         if key in results:

@@ -49,6 +49,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if (ROOT / "jaxtrace").is_dir():
     sys.path.insert(0, str(ROOT))  # run from a checkout: this tree's jaxtrace
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timers import device  # noqa: E402
 GUIDE = ROOT / "docs" / "guides" / "training-statistics.md"
 
 
@@ -231,7 +233,7 @@ def main():
     args = parser.parse_args()
     rounds = 3 if args.quick else args.rounds
     start = time.perf_counter()
-    print(f"JAX {jax.__version__}, equinox {eqx.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores, "
+    print(f"JAX {jax.__version__}, equinox {eqx.__version__}, {device()}, {os.cpu_count()} cores, "
           f"load {os.getloadavg()[0]:.1f} (1 min) at the start")
     ns = recipe_namespace()
     sizes = {"guide": (32, 64, 200), "wide": (512, 256, 10)}  # width, batch, repeats per sample

@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxtrace as jt  # noqa: E402
 import models as M  # noqa: E402
+from timers import device  # noqa: E402
 
 ALL = ("norm", "rms", "mean_abs", "max_abs", "nonfinite")
 
@@ -180,7 +181,7 @@ def main():
     parser.add_argument("--models", default="mlp,rnn,attention,cnn,chain")
     args = parser.parse_args()
     makers = {"mlp": M.mlp, "rnn": M.rnn, "attention": M.attention, "cnn": M.cnn, "chain": lambda: M.chain(500, shared=4)}
-    print(f"JAX {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the start, "
+    print(f"JAX {jax.__version__}, {device()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the start, "
           f"{args.rounds} interleaved rounds")
     print()
     print("| model | variant | step (ms) | x base (wall) | x base (cpu) | reduce ops |")

@@ -94,3 +94,49 @@ def fit_exponent(ns, ts) -> float:
 
 def nbytes(tree) -> int:
     return sum(math.prod(l.shape) * np.dtype(l.dtype).itemsize for l in jax.tree_util.tree_leaves(tree))
+
+
+def synchronized(step: Callable[[], Any], sync: Callable[[], None] | None = None) -> Callable[[], dict]:
+    """A sample of one ``step()``, in wall seconds, timed between two ``sync()`` calls.
+
+    On a GPU a step returns once its kernels are queued: without ``sync`` (``torch.cuda.synchronize``
+    for torch on CUDA) the clock would stop before the work is done, and the kernels of the step
+    before would run into this one's time. JAX steps block on their results themselves
+    (``jax.block_until_ready``), so they need no ``sync``.
+    """
+
+    def run():
+        if sync is not None:
+            sync()
+        t = time.perf_counter()
+        step()
+        if sync is not None:
+            sync()
+        return {"step": time.perf_counter() - t}
+
+    return run
+
+
+def torch_sync(device) -> Callable[[], None] | None:
+    """``torch.cuda.synchronize`` for a CUDA device, else None (a CPU step is done when it returns)."""
+    import torch
+
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+
+
+def cuda_peak_bytes(step: Callable[[], Any]) -> float:
+    """The CUDA allocator's peak over one ``step()``, above what was allocated before it."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return float(torch.cuda.max_memory_allocated() - before)
+
+
+def device() -> str:
+    """What the benchmarks ran on, for their first line: ``"gpu (NVIDIA H200) x1"``, ``"cpu (cpu) x1"``."""
+    devices = jax.devices()
+    return f"{devices[0].platform} ({devices[0].device_kind}) x{len(devices)}"
