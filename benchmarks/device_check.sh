@@ -13,11 +13,11 @@
 # its own time limit (seconds, in brackets) with its log kept in $LOGS/<part>.log:
 #
 #   versions   [30]   Python, JAX, jaxlib, the devices, the NVIDIA driver, where jaxtrace comes from
-#   tests      [150]  pytest on $TESTS, $WORKERS workers sharing the accelerator (no preallocation)
-#   run        [90]   benchmarks/run.py --quick, the models only (its JSON is $LOGS/run.json)
-#   peers      [110]  benchmarks/per_example_peers.py: GPU sizes on a GPU, --quick elsewhere
+#   tests      [120]  pytest on $TESTS, $WORKERS workers sharing the accelerator (no preallocation)
+#   run        [80]   benchmarks/run.py --quick, the models only (its JSON is $LOGS/run.json)
+#   peers      [150]  benchmarks/per_example_peers.py: GPU sizes on a GPU, --quick elsewhere
 #   stats      [40]   benchmarks/stats_step.py, a few rounds
-#   nonfinite  [40]   benchmarks/nonfinite_peers.py, a few rounds
+#   nonfinite  [60]   benchmarks/nonfinite_peers.py, a few rounds, a process per program
 #
 # It prints each part's status and the end of its log, and exits 0 when every part it ran did.
 set -uo pipefail
@@ -74,7 +74,7 @@ part_run() {
 
 part_peers() {
     if [ "$GPU" = 1 ]; then
-        $PY benchmarks/per_example_peers.py --sizes gpu --rounds 5 --models mlp,cnn,transformer
+        $PY benchmarks/per_example_peers.py --sizes gpu --rounds 3 --models mlp,cnn,transformer
     else
         $PY benchmarks/per_example_peers.py --quick --models mlp,cnn,transformer
     fi
@@ -84,13 +84,17 @@ part_stats() {
     $PY benchmarks/stats_step.py --rounds 5 --models mlp,cnn
 }
 
-part_nonfinite() {
-    $PY benchmarks/nonfinite_peers.py --rounds 3 --no-torch
+part_nonfinite() {  # a process per program: a peer that aborts the process (XLA's own checks) stops only its program
+    local rc=0 name
+    while IFS= read -r name; do
+        $PY benchmarks/nonfinite_peers.py --rounds 3 --no-torch --only "$name" || { echo "(exit $? in: $name)"; rc=1; }
+    done < <($PY benchmarks/nonfinite_peers.py --list)
+    return $rc
 }
 
 limit_of() {
     case $1 in
-        versions) echo 30 ;; tests) echo 150 ;; run) echo 90 ;; peers) echo 110 ;; *) echo 40 ;;
+        versions) echo 30 ;; tests) echo 120 ;; run) echo 80 ;; peers) echo 150 ;; stats) echo 40 ;; nonfinite) echo 60 ;;
     esac
 }
 

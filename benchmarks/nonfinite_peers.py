@@ -274,6 +274,7 @@ def first_and_again(runs: dict, rounds: int, base: str, seed: int = 0):
     """What each says, its first call's seconds, and the median over rounds of its time over ``base``'s."""
     said, first, calls = {}, {}, {}
     for name, make in runs.items():
+        print(f"  ({name}: first call)", flush=True)  # so that a tool that aborts the process is named in the log
         call = make()
         t = time.perf_counter()
         out = call()
@@ -305,7 +306,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--only", default="", help="run the programs whose name contains this")
+    parser.add_argument("--list", action="store_true", help="print the programs' names, one a line, and stop")
     args = parser.parse_args()
+    if args.list:
+        print("\n".join(programs()))
+        return
     start = time.perf_counter()
     print(f"JAX {jax.__version__}, equinox {eqx.__version__}, {device()}, {os.cpu_count()} cores, "
           f"load {os.getloadavg()[0]:.1f} (1 min) at the start, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

