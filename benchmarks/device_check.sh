@@ -74,7 +74,7 @@ part_run() {
 
 part_peers() {
     if [ "$GPU" = 1 ]; then
-        $PY benchmarks/per_example_peers.py --sizes gpu --rounds 3 --models mlp,cnn,transformer
+        $PY benchmarks/per_example_peers.py --sizes gpu --rounds 3 --models mlp,cnn  # the 4-block transformer: run it alone (it took over 60 s more on an H200)
     else
         $PY benchmarks/per_example_peers.py --quick --models mlp,cnn,transformer
     fi

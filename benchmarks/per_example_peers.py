@@ -717,6 +717,21 @@ def build_torch(case: Case, wanted, results: dict) -> dict:
 # --- main -------------------------------------------------------------------------------------
 
 
+HEADER = ("| model | column | step (ms) | x jt.clipped_grad | memory (MiB) | build (s) | build CPU (s) |",
+          "|---|---|---|---|---|---|---|")
+
+
+def rows(case, results, samples) -> list[str]:
+    """The table's header and one model's rows."""
+    out = list(HEADER)
+    for name in samples:
+        ms = float(np.median([s["step"] for s in samples[name]])) * 1e3
+        ratio = median_ratio(samples, name, "step", BASE)
+        r = results[name]
+        out.append(f"| {case.name} | {name} | {ms:.1f} | {ratio:.2f} | {r['mem'] / 2**20:.2f} | {r['build']:.1f} | {r['build_cpu']:.1f} |")
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, every column once (a smoke run)")
@@ -795,15 +810,11 @@ def main():
                              rounds, seed=args.seed)
         tables.append((case, results, samples))
         print(f"  {case.name}: done at {time.perf_counter() - start:.0f} s", flush=True)
+        print("\n".join(rows(case, results, samples)), flush=True)  # kept in the log if a later model runs out of time
 
-    print("\n| model | column | step (ms) | x jt.clipped_grad | memory (MiB) | build (s) | build CPU (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n" + "\n".join(HEADER))
     for case, results, samples in tables:
-        for name in samples:
-            ms = float(np.median([s["step"] for s in samples[name]])) * 1e3
-            ratio = median_ratio(samples, name, "step", BASE)
-            r = results[name]
-            print(f"| {case.name} | {name} | {ms:.1f} | {ratio:.2f} | {r['mem'] / 2**20:.2f} | {r['build']:.1f} | {r['build_cpu']:.1f} |")
+        print("\n".join(rows(case, results, samples)[len(HEADER):]))
     print("\nModels:")
     for case, results, _ in tables:
         check = results.get("_check")
