@@ -23,6 +23,8 @@ from ._nonfinite import find_nonfinite as find_nonfinite
 from ._nonfinite import NonfiniteReport as NonfiniteReport
 from ._patch_grad import patch_grad as patch_grad
 from ._per_example import clipped_grad as clipped_grad
+from ._per_example import per_example_audit as per_example_audit
+from ._per_example import PerExampleAudit as PerExampleAudit
 from ._per_example import per_example_norms as per_example_norms
 from ._errors import TagError as TagError
 from ._tag import tag as tag
@@ -43,6 +45,8 @@ __all__ = [
     "patch_grad",
     "per_example_norms",
     "clipped_grad",
+    "per_example_audit",
+    "PerExampleAudit",
     "find_nonfinite",
     "NonfiniteReport",
     "TagError",

@@ -29,11 +29,14 @@ from the traced program), ``_reads`` (leaves read by one primitive outside any l
 (the program replayed with a tag where a shared value meets the examples, and each example's gradient
 back from it), ``_conv`` (a convolution's per-example gradient), ``_leaf_sums`` (a leaf's norm and
 weighted sum from its uses, scan steps included), ``_pass`` (the one pass and the norms from it),
-``_transforms`` (the public functions).
+``_transforms`` (the public functions), ``_audit`` (the fast path checked against the definition).
 """
 
+from ._audit import LeafAudit as LeafAudit
+from ._audit import PerExampleAudit as PerExampleAudit
+from ._audit import per_example_audit as per_example_audit
 from ._transforms import clip_weights as clip_weights
 from ._transforms import clipped_grad as clipped_grad
 from ._transforms import per_example_norms as per_example_norms
 
-__all__ = ["clip_weights", "clipped_grad", "per_example_norms"]
+__all__ = ["LeafAudit", "PerExampleAudit", "clip_weights", "clipped_grad", "per_example_audit", "per_example_norms"]

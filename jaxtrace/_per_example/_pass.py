@@ -376,6 +376,18 @@ class Call:
                 out.append(jnp.sum(jnp.square(p).reshape(p.shape[0], -1), axis=1))
         return out
 
+    def leaf_paths(self) -> list[tuple[str, str]]:
+        """Per leaf, in the order of ``plan.leaves``: ``(path, why)``, the path ``sq_norms`` takes
+        (``"factors"``, ``"zero"``, ``"exact"`` or, for one example, ``"batch of one"``) and, for the
+        exact path, why no factors cover the leaf."""
+        if self.batch == 1:
+            return [("batch of one", "")] * len(self.plan.leaves)
+        uses, zero, _, why = self._factors
+        return [
+            ("factors", "") if i in uses else ("zero", "") if i in zero else ("exact", why.get(i, ""))
+            for i in range(len(self.plan.leaves))
+        ]
+
     def weighted_grads(self, weights):
         """Per-leaf ``sum_i weights[i] g_i`` (the clipped sum, for clipping weights), in the leaves' dtypes.
 
