@@ -36,6 +36,9 @@ __all__ = [
     "check_stat_names",
     "term_names_in_order",
     "in_order",
+    "entries",
+    "stack_shape",
+    "entry_of",
 ]
 
 
@@ -180,10 +183,11 @@ def format_paths(
     One row per tag, in ``tags`` order if given, else the table's, and one
     column per term, in the table's order: :func:`jacrev` and ``summarize``
     keep the tags in the order the program reached them and the terms in the
-    order the loss built them, under ``jax.jit`` too. Each cell is ``stat``
-    (the largest over kept loop axes). A term that does not reach a tag at
-    all (exactly zero) shows as ``0 (none)``: a detached path (a stray
-    ``stop_gradient``) looks like that.
+    order the loss built them, under ``jax.jit`` too. Each cell is ``stat``.
+    A tag with kept loop axes (a scanned stack) has one row per layer,
+    ``name[i]``, as everywhere statistics are shown. A term that does not
+    reach a tag (exactly zero) shows as ``0 (none)``: a detached path (a
+    stray ``stop_gradient``) looks like that.
 
     Args:
         table: what ``summarize(tag_jacs, terms=...)`` returns.
@@ -191,7 +195,7 @@ def format_paths(
         tags: the rows, in order (default: the table's).
 
     Returns:
-        The table as text, one line per tag.
+        The table as text, one line per tag (per layer of a stacked tag).
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -204,21 +208,61 @@ def format_paths(
     terms = list(dict.fromkeys(t for name in names for t in table[name]))
     rows = [["tag", *[t or "(output)" for t in terms]]]
     for name in names:
-        row = [name or '""']
-        for term in terms:
-            cell = table[name].get(term, {}).get(stat)
-            if cell is None:
-                row.append("-")
-                continue
-            cell = np.asarray(cell)
-            if np.all(cell == 0):
-                row.append("0 (none)")
-            else:
-                row.append(f"{float(np.nanmax(cell)):.3g}")
-        rows.append(row)
+        for label, index in entries(name, stack_shape(table[name], stat)):
+            row = [label]
+            for term in terms:
+                cell = table[name].get(term, {}).get(stat)
+                if cell is None:
+                    row.append("-")
+                    continue
+                cell = entry_of(cell, index)
+                row.append("0 (none)" if cell == 0 else f"{cell:.3g}")
+            rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     widths[1:-1] = [max(w, 8) for w in widths[1:-1]]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def entries(name: str, shape: tuple) -> list[tuple[str, tuple]]:
+    """The one rule for a statistic with loop axes: one labelled entry per layer, never a reduction.
+
+    A tag in a scanned stack has one statistic per layer (its loop axes, outer first; with
+    ``per_example=True`` its vmap axes too): text shows a row (or cell) per entry and plots a line
+    (or bar) per entry, labelled ``name[i]`` (``name[i, j]`` for nested loops); a tag with no loop
+    axes is one entry, ``name``. The root module's name ``""`` is written ``""``.
+
+    Args:
+        name: the tag.
+        shape: the statistic's loop axes (``()`` for a tag in plain code).
+
+    Returns:
+        ``[(label, index)]``, the indices in row-major order.
+
+    Example:
+        >>> from jaxtrace._summary import entries
+        >>> entries("layers", (3,))
+        [('layers[0]', (0,)), ('layers[1]', (1,)), ('layers[2]', (2,))]
+    """
+    shown = name or '""'
+    if not shape:
+        return [(shown, ())]
+    return [(f"{shown}[{', '.join(map(str, i))}]", i) for i in np.ndindex(*shape)]
+
+
+def stack_shape(per_term: Mapping[str, Mapping[str, Any]], stat: str) -> tuple:
+    """A tag's loop axes in a tag x term table: the longest shape of its ``stat`` cells."""
+    return max((np.shape(cell[stat]) for cell in per_term.values() if stat in cell), key=len, default=())
+
+
+def entry_of(cell, index: tuple) -> float:
+    """Entry ``index`` of a table cell; a cell without loop axes is the same for every layer."""
+    cell = np.asarray(cell, dtype=np.float64)
+    if cell.ndim and cell.ndim != len(index):
+        raise ValueError(
+            f"jaxtrace.stats: a cell of shape {cell.shape} beside cells with {len(index)} loop axes; the "
+            "cells of one tag (and the tables compared) should come from the same program."
+        )
+    return float(cell[index] if cell.ndim else cell)
 
 
 def check_stat_names(stats: str | Sequence[str]) -> tuple:

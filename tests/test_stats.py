@@ -371,7 +371,7 @@ def test_history():
     np.testing.assert_array_equal(h.scalar("acc"), [np.nan, 0.5, np.nan])
     assert h.format(row=1) == "step 5  loss 2  acc 0.5  | norm: a 0.5"
     assert h.format(stat="max_abs", names=["a"], row=0) == "step 0  loss 3  | max_abs: a 2"
-    assert h.format() == "step 9  | norm: loop 1  late 7"
+    assert h.format() == "step 9  | norm: loop[0] 1  loop[1] 1  loop[2] 1  late 7"  # one entry per layer
     with pytest.raises(KeyError, match="has \\['a', 'loop', 'late'\\]"):
         h["b"]
     with pytest.raises(KeyError, match="No statistic 'mean_abs'"):
@@ -453,9 +453,10 @@ def test_summarize_tag_jacobians_per_term(maybe_jit, detach):
     assert bool(np.all(table["c"]["aux"]["norm"] == 0)) == detach  # the cut path is exactly zero
     text = stats.format_paths(table, tags=["c", "h"])
     assert text.splitlines()[0].split() == ["tag", "aux", "main", "vec"]
-    c_row = text.splitlines()[1]
-    assert ("0 (none)" in c_row) == detach
-    assert "0 (none)" in text.splitlines()[2]  # aux never reaches h
+    lines = text.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["c[0]", "c[1]", "c[2]", "c[3]", "h"]  # a row per loop step
+    assert all(("0 (none)" in c_row) == detach for c_row in lines[1:5])
+    assert "0 (none)" in lines[5]  # aux never reaches h
 
 
 def test_stats_jacrev_is_the_per_term_summary_in_the_loss_own_order(maybe_jit):
