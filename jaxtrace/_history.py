@@ -7,6 +7,8 @@ from typing import Any, Mapping, Sequence, cast
 import jax
 import numpy as np
 
+from ._summary import entries
+
 __all__ = ["History"]
 
 
@@ -40,6 +42,9 @@ class History:
         (2, 3)
         >>> print(h.format())
         step 10  loss 0.5  | norm: a 0.5
+        >>> h.append(20, {"a": {"norm": np.float32(0.5)}, "layers": {"norm": np.array([9.0, 0.5])}})
+        >>> print(h.format())    # a scanned stack: one entry per layer
+        step 20  | norm: a 0.5  layers[0] 9  layers[1] 0.5
     """
 
     def __init__(self):
@@ -151,9 +156,11 @@ class History:
         return np.stack([rows.get(i, missing).astype(dtype) for i in range(len(self))])
 
     def format(self, stat: str = "norm", names: Sequence[str] | None = None, row: int = -1) -> str:
-        """One line for a log: the step, the scalars and ``stat`` per tag (a loop's last step).
+        """One line for a log: the step, the scalars and ``stat`` per tag.
 
-        The root module's name ``""`` (``jt.tag_modules``) is written ``""``.
+        A tag with loop axes (a scanned stack) shows one labelled entry per
+        layer, ``name[0] 9  name[1] 0.5 ...``, as everywhere statistics are
+        shown. The root module's name ``""`` (``jt.tag_modules``) is written ``""``.
 
         Args:
             stat: the statistic to show per tag.
@@ -171,9 +178,8 @@ class History:
         cells = []
         for name in names if names is not None else self.names:
             value = self._stats.get(name, {}).get(stat, {}).get(row)
-            if value is not None:
-                # The root module's name is "" (tag_modules, jaxtrace.torch): shown as "" so it is seen.
-                cells.append(f"{name or chr(34) * 2} {float(np.ravel(value)[-1]):.3g}")
+            if value is not None:  # one labelled cell per layer of a stack (entries' rule)
+                cells += [f"{label} {float(value[i]):.3g}" for label, i in entries(name, np.shape(value))]
         line = "  ".join(parts)
         return f"{line}  | {stat}: " + "  ".join(cells) if cells else line
 

@@ -15,6 +15,8 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from numpy.typing import ArrayLike
 
+from ._summary import entry_of
+
 __all__ = [
     "figure",
     "finish",
@@ -108,14 +110,14 @@ def path_tables(table, tags: Sequence[str] | None, titles: Sequence[str] | None)
     return tables, names
 
 
-def path_values(table: dict, names: list, terms: list, stat: str) -> np.ndarray:
-    """The tags x terms array of ``stat`` (the largest over kept loop axes); ``nan`` where absent."""
-    values = np.full((len(names), len(terms)), np.nan)
-    for i, name in enumerate(names):
+def path_values(table: dict, rows: list, terms: list, stat: str) -> np.ndarray:
+    """The rows x terms array of ``stat``, a row per ``(label, tag, index)`` (a layer of a stack); ``nan`` where absent."""
+    values = np.full((len(rows), len(terms)), np.nan)
+    for k, (_, name, index) in enumerate(rows):
         for j, term in enumerate(terms):
             cell = table[name].get(term, {}).get(stat)
             if cell is not None:
-                values[i, j] = float(np.nanmax(np.asarray(cell, dtype=np.float64)))
+                values[k, j] = entry_of(cell, index)
     return values
 
 

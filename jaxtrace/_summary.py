@@ -36,6 +36,9 @@ __all__ = [
     "check_stat_names",
     "term_names_in_order",
     "in_order",
+    "entries",
+    "stack_shape",
+    "entry_of",
 ]
 
 
@@ -67,7 +70,10 @@ def summarize(
     sums of squares are also taken at two fixed power-of-two scales in the
     same pass (exact), and the one in range is used, so large finite float32
     gradients (``|g| > 1e19``, whose squares overflow) and tiny ones (``|g| <
-    1e-19``, whose squares underflow) still give the right norm. A tag with
+    1e-19``, whose squares underflow) still give the right norm, under
+    ``jax.jit`` too: the scaled entries are made from the bits of ``g``, which
+    no compiler rewrite folds into the square (subnormal entries count as 0
+    there, as XLA:CPU flushes them). A tag with
     no entries has norm 0 and mean and rms ``nan``. A ``float0`` leaf (the
     gradient of an integer tag) counts as zeros.
 
@@ -177,10 +183,11 @@ def format_paths(
     One row per tag, in ``tags`` order if given, else the table's, and one
     column per term, in the table's order: :func:`jacrev` and ``summarize``
     keep the tags in the order the program reached them and the terms in the
-    order the loss built them, under ``jax.jit`` too. Each cell is ``stat``
-    (the largest over kept loop axes). A term that does not reach a tag at
-    all (exactly zero) shows as ``0 (none)``: a detached path (a stray
-    ``stop_gradient``) looks like that.
+    order the loss built them, under ``jax.jit`` too. Each cell is ``stat``.
+    A tag with kept loop axes (a scanned stack) has one row per layer,
+    ``name[i]``, as everywhere statistics are shown. A term that does not
+    reach a tag (exactly zero) shows as ``0 (none)``: a detached path (a
+    stray ``stop_gradient``) looks like that.
 
     Args:
         table: what ``summarize(tag_jacs, terms=...)`` returns.
@@ -188,7 +195,7 @@ def format_paths(
         tags: the rows, in order (default: the table's).
 
     Returns:
-        The table as text, one line per tag.
+        The table as text, one line per tag (per layer of a stacked tag).
 
     Example:
         >>> import jax.numpy as jnp, jaxtrace as jt
@@ -201,21 +208,61 @@ def format_paths(
     terms = list(dict.fromkeys(t for name in names for t in table[name]))
     rows = [["tag", *[t or "(output)" for t in terms]]]
     for name in names:
-        row = [name or '""']
-        for term in terms:
-            cell = table[name].get(term, {}).get(stat)
-            if cell is None:
-                row.append("-")
-                continue
-            cell = np.asarray(cell)
-            if np.all(cell == 0):
-                row.append("0 (none)")
-            else:
-                row.append(f"{float(np.nanmax(cell)):.3g}")
-        rows.append(row)
+        for label, index in entries(name, stack_shape(table[name], stat)):
+            row = [label]
+            for term in terms:
+                cell = table[name].get(term, {}).get(stat)
+                if cell is None:
+                    row.append("-")
+                    continue
+                cell = entry_of(cell, index)
+                row.append("0 (none)" if cell == 0 else f"{cell:.3g}")
+            rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     widths[1:-1] = [max(w, 8) for w in widths[1:-1]]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def entries(name: str, shape: tuple) -> list[tuple[str, tuple]]:
+    """The one rule for a statistic with loop axes: one labelled entry per layer, never a reduction.
+
+    A tag in a scanned stack has one statistic per layer (its loop axes, outer first; with
+    ``per_example=True`` its vmap axes too): text shows a row (or cell) per entry and plots a line
+    (or bar) per entry, labelled ``name[i]`` (``name[i, j]`` for nested loops); a tag with no loop
+    axes is one entry, ``name``. The root module's name ``""`` is written ``""``.
+
+    Args:
+        name: the tag.
+        shape: the statistic's loop axes (``()`` for a tag in plain code).
+
+    Returns:
+        ``[(label, index)]``, the indices in row-major order.
+
+    Example:
+        >>> from jaxtrace._summary import entries
+        >>> entries("layers", (3,))
+        [('layers[0]', (0,)), ('layers[1]', (1,)), ('layers[2]', (2,))]
+    """
+    shown = name or '""'
+    if not shape:
+        return [(shown, ())]
+    return [(f"{shown}[{', '.join(map(str, i))}]", i) for i in np.ndindex(*shape)]
+
+
+def stack_shape(per_term: Mapping[str, Mapping[str, Any]], stat: str) -> tuple:
+    """A tag's loop axes in a tag x term table: the longest shape of its ``stat`` cells."""
+    return max((np.shape(cell[stat]) for cell in per_term.values() if stat in cell), key=len, default=())
+
+
+def entry_of(cell, index: tuple) -> float:
+    """Entry ``index`` of a table cell; a cell without loop axes is the same for every layer."""
+    cell = np.asarray(cell, dtype=np.float64)
+    if cell.ndim and cell.ndim != len(index):
+        raise ValueError(
+            f"jaxtrace.stats: a cell of shape {cell.shape} beside cells with {len(index)} loop axes; the "
+            "cells of one tag (and the tables compared) should come from the same program."
+        )
+    return float(cell[index] if cell.ndim else cell)
 
 
 def check_stat_names(stats: str | Sequence[str]) -> tuple:
@@ -276,10 +323,11 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     empty = _is_empty(count)
 
     exponent = jnp.finfo(dtype).maxexp  # float32: 128, float64: 1024
-    # Squares of |g| * down stay finite for every finite |g|, and are used only when the plain sum
-    # overflowed (the entries they lose to underflow are ~2**-exponent of it); squares of |g| * up
-    # are used only when the plain sum is below tiny, where they cannot overflow.
-    down, up, tiny = 2.0 ** -(3 * exponent // 4), 2.0 ** (exponent // 2), 2.0 ** -(exponent // 2 - 4)
+    # |g| * 2**-down stays finite for every finite |g|; its squares are used only when the plain sum
+    # overflowed (the entries they lose to underflow are ~2**-exponent of it). |g| * 2**up is used
+    # only when the plain sum is below tiny, where its squares cannot overflow.
+    down, up = 3 * exponent // 4, exponent // 2
+    tiny = 2.0 ** -(exponent // 2 - 4)
     want_sq, want_abs = "norm" in stats or "rms" in stats, "mean_abs" in stats
     want_max, want_bad = "max_abs" in stats, "nonfinite" in stats
     # nan explicitly for max_abs rather than rely on how the backend's max reduction treats it: a
@@ -290,16 +338,19 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     # scaling before it, so all of a leaf's sums are one reduction (a variadic reduce: g is read
     # once) and, when sharded, one all-reduce round that XLA combines with the gradients'. Sums of
     # squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19) where the norm does not;
-    # they are also summed at fixed power-of-two scales (exact) in the same pass, and the one in
-    # range is picked after the reduction.
+    # they are also summed at fixed power-of-two scales in the same pass, and the one in range is
+    # picked after the reduction. The scaled entries are made from g's bits (_abs_times_pow2), not
+    # by multiplying by a constant: XLA rewrites square(g * 2**k) into square(g) * 2**(2k), which
+    # is 0 * inf in float32, and no such rewrite applies to integer arithmetic on the bits.
     def terms(r, f, m, empty_leaf):
         """The (kind, elementwise array) pairs one leaf contributes, keyed by what they sum."""
         sq = r if r is not None else jnp.abs(f).astype(dtype)  # squares from g itself (complex: |g|)
         out = {}
+        hi = _abs_times_pow2(sq, -down) if want_sq or want_abs else None
         if want_sq:
-            out["sq"], out["sq_hi"], out["sq_lo"] = jnp.square(sq), jnp.square(sq * down), jnp.square(sq * up)
+            out["sq"], out["sq_hi"], out["sq_lo"] = jnp.square(sq), jnp.square(hi), jnp.square(_abs_times_pow2(sq, up))
         if want_abs:
-            out["abs"], out["abs_hi"] = m, m * down
+            out["abs"], out["abs_hi"] = m, hi
         if want_max and not empty_leaf:  # empty leaves are left out: a max over no entries has a 0/0 derivative
             out["max"] = m
         if count_nan:
@@ -319,14 +370,14 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
         mid, hi, lo = total["sq"], total["sq_hi"], total["sq_lo"]
         use_hi, use_lo = jnp.isinf(mid), mid < tiny
         sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
-        scale = jnp.where(use_hi, 1 / down, jnp.where(use_lo, 1 / up, 1.0)).astype(dtype)
+        scale = jnp.where(use_hi, 2.0**down, jnp.where(use_lo, 2.0**-up, 1.0)).astype(dtype)
         if "norm" in stats:
             out["norm"] = (scale * _sqrt(sq)).astype(dtype)
         if "rms" in stats:
             out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
     if want_abs:
         mid_abs, hi = total["abs"], total["abs_hi"]
-        mean = jnp.where(jnp.isinf(mid_abs), (hi / count) / down, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
+        mean = jnp.where(jnp.isinf(mid_abs), (hi / count) * 2.0**down, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
         out["mean_abs"] = mean.astype(dtype)
     if want_max:
         top = functools.reduce(jnp.maximum, [p["max"] for p in per_leaf if "max" in p], jnp.zeros(kept_shape, dtype))
@@ -386,6 +437,39 @@ def _reduce_together(operands: tuple, is_max: tuple, axes: tuple) -> tuple:
 def _reduce_together_jvp(is_max, axes, primals, tangents):
     (operands,), (dots,) = primals, tangents
     return _reduce_together(operands, is_max, axes), jax.jvp(lambda ops: _separately(ops, is_max, axes), (operands,), (dots,))[1]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _abs_times_pow2(x, k: int):
+    """``|x| * 2**k``, made by adding ``k`` to the exponent in ``x``'s bits, for the range guards.
+
+    An integer add on the bits is an operation that no algebraic rewrite folds into the square
+    taken of it (``square(x * 2**k)`` becomes ``square(x) * 2**(2k)`` under XLA). Where the
+    result is not needed it is kept finite: ``k < 0`` (used when the plain sum of squares
+    overflowed) maps what would underflow to 0 and keeps ``inf``; ``k > 0`` (used when every
+    entry is tiny) maps zeros and subnormals to 0 (XLA:CPU flushes them anyway) and caps the
+    rest below ``2**(maxexp/2 - 1)``, so its square stays finite."""
+    info = jnp.finfo(x.dtype)
+    ints = {32: jnp.int32, 64: jnp.int64}[info.bits]
+    p, bias = info.nmant, info.maxexp - 1
+
+    def bits_of(e):  # the bits of 2**e
+        return jnp.array((e + bias) << p, ints)
+
+    a = jax.lax.bitcast_convert_type(x, ints) & jnp.array(np.iinfo(ints).max, ints)  # |x|'s bits
+    shift = jnp.array(abs(k) << p, ints)
+    if k < 0:
+        inf = jnp.array((2 * info.maxexp - 1) << p, ints)
+        bits = jnp.where(a >= inf, a, jnp.maximum(a - shift, 0))
+    else:
+        bits = jnp.where(a < bits_of(1 - bias), 0, jnp.minimum(a, bits_of(info.maxexp // 2 - k - 2)) + shift)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+@_abs_times_pow2.defjvp
+def _abs_times_pow2_jvp(k, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _abs_times_pow2(x, k), jnp.sign(x) * t * jnp.asarray(2.0**k, x.dtype)
 
 
 def _sqrt(x):

@@ -36,6 +36,7 @@ except ImportError as error:  # pragma: no cover - exercised without matplotlib
     ) from error
 
 from . import _plot_parts as _parts
+from ._summary import entries, stack_shape
 
 __all__ = ["grad_flow", "layer_flow", "timestep_norms", "overlay", "paths"]
 
@@ -54,9 +55,9 @@ def grad_flow(
     per tag, in order, so depth reads as a colour ramp). Right: one bar per tag
     at the last logged step: ``mean_abs`` and ``max_abs`` when the history has
     them (the classic gradient-flow bar chart), else ``stat``; tags with
-    non-finite entries at that step are marked in red. A tag with loop axes is
-    reduced over them by root-sum-of-squares for ``norm`` (the norm of the
-    whole stacked gradient) and by max / mean otherwise.
+    non-finite entries at that step are marked in red. A tag with loop axes (a
+    scanned stack) gets one line and one bar per layer, labelled ``name[i]``,
+    as everywhere statistics are shown.
 
     Args:
         history: a ``jaxtrace.stats.History``.
@@ -73,8 +74,8 @@ def grad_flow(
         >>> from jaxtrace import plot
         >>> h = jt.stats.History()
         >>> h.append(0, {"a": {"norm": np.ones(4)}, "b": {"norm": np.float32(0.1)}})
-        >>> len(plot.grad_flow(h).axes[0].lines)
-        2
+        >>> [line.get_label() for line in plot.grad_flow(h).axes[0].lines]    # a: 4 scanned layers
+        ['a[0]', 'a[1]', 'a[2]', 'a[3]', 'b']
     """
     names = list(history.names if names is None else names)
     if not names:
@@ -82,38 +83,44 @@ def grad_flow(
     steps = history.steps
     fig = _parts.figure(11, 4.2)
     ax_lines, ax_bars = fig.subplots(1, 2, width_ratios=[1.5, 1])
-    colors = _parts.colors(len(names))
+    # One line and one bar per entry: a scanned stack's layers apart (entries' rule), never reduced.
+    rows = [(label, n, i) for n in names for label, i in entries(n, history.array(n, stat).shape[1:])]
+    labels = [label for label, _, _ in rows]
+    colors = _parts.colors(len(rows))
 
-    for name, color in zip(names, colors):
-        ax_lines.plot(steps, _parts.positive(_per_step(history.array(name, stat), stat)), color=color, lw=1.8, label=name)
+    def column(name, stat, i):
+        return np.asarray(history.array(name, stat), dtype=np.float64)[(slice(None), *i)]
+
+    for (label, name, i), color in zip(rows, colors):
+        ax_lines.plot(steps, _parts.positive(column(name, stat, i)), color=color, lw=1.8, label=label)
     ax_lines.set_yscale("log")
     ax_lines.set_xlabel("training step")
     ax_lines.set_ylabel(_LABELS.get(stat, stat))
     ax_lines.set_title(f"{stat} over training")
     ax_lines.grid(True, which="major", alpha=0.3)
-    if len(names) <= 12:
+    if len(rows) <= 12:
         ax_lines.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
-    x = np.arange(len(names))
+    x = np.arange(len(rows))
     last = len(steps) - 1
     available = set.intersection(*(set(history[name]) for name in names))
     if {"mean_abs", "max_abs"} <= available:
-        maxes = [_per_step(history.array(n, "max_abs"), "max_abs")[last] for n in names]
-        means = [_per_step(history.array(n, "mean_abs"), "mean_abs")[last] for n in names]
+        maxes = [column(n, "max_abs", i)[last] for _, n, i in rows]
+        means = [column(n, "mean_abs", i)[last] for _, n, i in rows]
         ax_bars.bar(x, _parts.positive(maxes), color="#9ecae1", width=0.75, label="max |g|")
         ax_bars.bar(x, _parts.positive(means), color="#08519c", width=0.45, label="mean |g|")
         ax_bars.set_ylabel("|gradient|")
         ax_bars.legend(fontsize=8, frameon=False)
     else:
-        values = [_per_step(history.array(n, stat), stat)[last] for n in names]
+        values = [column(n, stat, i)[last] for _, n, i in rows]
         ax_bars.bar(x, _parts.positive(values), color=colors, width=0.7)
         ax_bars.set_ylabel(_LABELS.get(stat, stat))
     if "nonfinite" in available:
-        for i, n in enumerate(names):
-            if _per_step(history.array(n, "nonfinite"), "max_abs")[last] > 0:
-                ax_bars.axvspan(i - 0.5, i + 0.5, color="red", alpha=0.2, lw=0)
+        for k, (_, n, i) in enumerate(rows):
+            if column(n, "nonfinite", i)[last] > 0:
+                ax_bars.axvspan(k - 0.5, k + 0.5, color="red", alpha=0.2, lw=0)
     ax_bars.set_yscale("log")
-    ax_bars.set_xticks(x, names, rotation=45 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center")
+    ax_bars.set_xticks(x, labels, rotation=45 if len(rows) > 4 else 0, ha="right" if len(rows) > 4 else "center")
     ax_bars.set_title(f"{'|g|' if {'mean_abs', 'max_abs'} <= available else stat} per tag at step {steps[last]}")
     ax_bars.grid(True, axis="y", alpha=0.3)
     if title:
@@ -178,13 +185,7 @@ def layer_flow(
             if stat not in table[name]:
                 continue
             values = np.asarray(table.array(name, stat), dtype=np.float64)
-            if values.ndim == 1:
-                lines.append((name or '""', values))
-                continue
-            per_layer = values.reshape(len(values), -1)
-            index = list(np.ndindex(*values.shape[1:]))
-            for i, column in zip(index, per_layer.T):
-                lines.append((f"{name or chr(34) * 2}[{', '.join(map(str, i))}]", column))
+            lines += [(label, values[(slice(None), *i)]) for label, i in entries(name, values.shape[1:])]
         for (label, column), color in zip(lines, _parts.colors(len(lines))):
             ax.plot(steps, _parts.positive(column), color=color, lw=1.6, label=label)
         ax.set_yscale("log")
@@ -205,19 +206,6 @@ _LABELS = {
     "max_abs": "max |gradient|",
     "nonfinite": "fraction non-finite",
 }
-
-
-def _per_step(values: np.ndarray, stat: str) -> np.ndarray:
-    """``(steps, *loop axes)`` -> ``(steps,)``."""
-    values = np.asarray(values, dtype=np.float64)
-    if values.ndim == 1:
-        return values
-    flat = values.reshape(len(values), -1)
-    if stat == "norm":
-        return np.sqrt(np.sum(flat**2, axis=1))
-    if stat == "max_abs":
-        return np.max(flat, axis=1)
-    return np.mean(flat, axis=1)
 
 
 def timestep_norms(
@@ -371,8 +359,8 @@ def paths(
     model and a buggy one): one panel each, side by side, all on one colour
     scale, shown by one colorbar, so one value has one colour in every panel.
     ``titles`` names the panels; ``title`` is the figure's title.
-    Rows are tags (in ``tags`` order, else the first table's), columns are
-    terms (in the tables' order). A cell that is exactly zero (the term does
+    Rows are tags (in ``tags`` order, else the first table's; a stacked tag,
+    one row per layer, ``name[i]``), columns are terms (in the tables' order). A cell that is exactly zero (the term does
     not reach the tag: a detached path) is grey and marked with a cross,
     apart from the colour scale.
 
@@ -401,18 +389,20 @@ def paths(
     """
     tables, names = _parts.path_tables(table, tags, titles)
     terms = list(dict.fromkeys(term for t in tables for name in names for term in t[name]))
-    panels = [_parts.path_values(t, names, terms, stat) for t in tables]
+    # a row per layer of a stacked tag (entries' rule)
+    rows = [(label, name, i) for name in names for label, i in entries(name, stack_shape(tables[0][name], stat))]
+    panels = [_parts.path_values(t, rows, terms, stat) for t in tables]
     logs = [np.log10(_parts.positive(values)) for values in panels]
     norm = _parts.one_scale(logs)  # one scale for every panel
     n = len(tables)
-    fig = _parts.figure(1.2 + n * (0.6 + 1.1 * len(terms)) + 0.8, 1.2 + 0.42 * len(names) + (0.3 if title and (n > 1 or titles is not None) else 0))
+    fig = _parts.figure(1.2 + n * (0.6 + 1.1 * len(terms)) + 0.8, 1.2 + 0.42 * len(rows) + (0.3 if title and (n > 1 or titles is not None) else 0))
     axes = np.atleast_1d(fig.subplots(1, n, sharey=True, squeeze=False)).ravel()
     cmap = matplotlib.colormaps["magma"].with_extremes(bad="#d9d9d9")
     image = None
     for k, (ax, values, lg) in enumerate(zip(axes, panels, logs)):
         image = _parts.paths_panel(ax, values, lg, norm, cmap, terms)
         if k == 0:
-            ax.set_yticks(range(len(names)), [name or '""' for name in names])
+            ax.set_yticks(range(len(rows)), [label for label, _, _ in rows])
             ax.set_ylabel("tag")
         if titles is not None:
             ax.set_title(titles[k])

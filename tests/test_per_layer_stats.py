@@ -8,6 +8,7 @@ reduced by hand per layer, and the plain forward values, in float64, eager and u
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -108,6 +109,75 @@ def test_plain_stats_with_values():
     _, _, values = jt.value_and_grad(loss, with_values=True)(0.5, xs)
     assert_trees_close(v_stats["h"]["max_abs"], jnp.max(jnp.abs(values["h"]), axis=1))
     assert g_stats["h"]["norm"].shape == (5,)
+
+
+# --- one rule for a stack's statistics: one labelled entry per layer ------------------------------
+
+EXPLODING = jnp.array([4.5, 0.25, 0.25], F64)  # d loss / d layer i's output is c_i * ones(4): norms 9, 0.5, 0.5
+
+
+def exploding_stack(cs, xs):
+    """Three layers run by lax.scan, one tag in the body; layer 0's gradient explodes (norm 9)."""
+
+    def body(total, layer):
+        c, x = layer
+        h = jt.tag(jnp.tanh(x), "layers")
+        return total + c * jnp.sum(h), None
+
+    total, _ = lax.scan(body, jnp.zeros((), F64), (cs, xs))
+    head = jt.tag(total, "head")
+    return {"main": head, "aux": jnp.sum(lax.stop_gradient(xs))}
+
+
+def exploding_history(maybe_jit):
+    step = maybe_jit(jt.stats.value_and_grad(lambda cs, xs: exploding_stack(cs, xs)["main"]))
+    history = jt.stats.History()
+    for i in range(2):
+        loss, (_, tag_stats) = step(EXPLODING, jnp.ones((3, 4), F64))
+        history.append(i, tag_stats, loss=loss)
+    return history
+
+
+def test_a_stack_reads_per_layer_in_the_text(maybe_jit):
+    """Issue 50.7: an exploding layer 0 (norm 9) in a stack whose other layers have norm 0.5 was
+    logged as "norm: 0.5" (History.format showed the last layer) and as 9 alone by format_paths
+    (the max). Both now show one labelled entry per layer."""
+    history = exploding_history(maybe_jit)
+    np.testing.assert_allclose(history["layers"]["norm"][-1], [9.0, 0.5, 0.5], rtol=1e-12)
+    line = history.format()
+    assert line.endswith("| norm: head 1  layers[0] 9  layers[1] 0.5  layers[2] 0.5"), line
+    assert history.format(stat="max_abs", names=["layers"]).endswith("max_abs: layers[0] 4.5  layers[1] 0.25  layers[2] 0.25")
+
+    _, table = maybe_jit(jt.stats.jacrev(exploding_stack, stats="norm", loop_axes={"layers": 1}))(EXPLODING, jnp.ones((3, 4), F64))
+    rows = [r.split() for r in jt.stats.format_paths(table).splitlines()]
+    assert rows[0] == ["tag", "main", "aux"]
+    assert rows[1:] == [
+        ["layers[0]", "9", "0", "(none)"],
+        ["layers[1]", "0.5", "0", "(none)"],
+        ["layers[2]", "0.5", "0", "(none)"],
+        ["head", "1", "0", "(none)"],
+    ]
+
+
+def test_a_stack_draws_a_line_per_layer():
+    """The plots follow the same rule: grad_flow a line and a bar per layer (not one root-sum-of-
+    squares line for the stack), plot.paths a row per layer (not the max)."""
+    pytest.importorskip("matplotlib")
+    from jaxtrace import plot
+
+    history = exploding_history(jax.jit)
+    fig = plot.grad_flow(history, stat="norm")
+    lines, bars = fig.axes
+    labels = ["head", "layers[0]", "layers[1]", "layers[2]"]
+    assert [line.get_label() for line in lines.lines] == labels
+    np.testing.assert_allclose([line.get_ydata()[-1] for line in lines.lines], [1.0, 9.0, 0.5, 0.5], rtol=1e-12)
+    assert [t.get_text() for t in bars.get_xticklabels()] == labels
+    maxes = [1.0, 4.5, 0.25, 0.25]  # the bars: max |g| per entry, then mean |g| (the same here)
+    np.testing.assert_allclose([p.get_height() for p in bars.patches], maxes + maxes, rtol=1e-12)
+    _, table = jt.stats.jacrev(exploding_stack, stats="norm", loop_axes={"layers": 1})(EXPLODING, jnp.ones((3, 4), F64))
+    fig = plot.paths(table)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [*labels[1:], "head"]  # the program's order
+    np.testing.assert_allclose(fig.axes[0].images[0].get_array()[:, 0], np.log10([9.0, 0.5, 0.5, 1.0]), rtol=1e-12)
 
 
 # --- an NNX scan-over-layers stack ---------------------------------------------------------------

@@ -85,16 +85,19 @@ def test_grad_flow(history, tmp_path):
     fig = plot.grad_flow(history, path=path, title="test")
     assert _is_png(path)
     lines, bars = fig.axes
-    assert [line.get_label() for line in lines.lines] == ["layers.0", "layers.1", "layers.2", "loop"]
+    loops = [f"loop[{i}]" for i in range(4)]
+    assert [line.get_label() for line in lines.lines] == ["layers.0", "layers.1", "layers.2", *loops]
     np.testing.assert_allclose(lines.lines[0].get_xdata(), [0, 10, 20, 30])
     np.testing.assert_allclose(lines.lines[1].get_ydata(), history.array("layers.1", "norm"), rtol=1e-12)
-    # the scan tag (4 norms per step) is drawn as the norm of the whole stacked gradient
+    # the scan tag (4 norms per step): one line per step of the loop, never reduced over them
     loop = history.array("loop", "norm")
-    np.testing.assert_allclose(lines.lines[3].get_ydata(), np.sqrt(np.sum(loop**2, axis=1)), rtol=1e-12)
+    for i in range(4):
+        np.testing.assert_allclose(lines.lines[3 + i].get_ydata(), loop[:, i], rtol=1e-12)
     heights = [p.get_height() for p in bars.patches]
-    assert len(heights) == 8  # max |g| and mean |g| for each of the 4 tags
-    np.testing.assert_allclose(heights[4], history.array("layers.0", "mean_abs")[-1], rtol=1e-12)
-    np.testing.assert_allclose(heights[3], history.array("loop", "max_abs")[-1].max(), rtol=1e-12)
+    assert len(heights) == 14  # max |g| and mean |g| for each of the 7 entries (3 tags, 4 loop steps)
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["layers.0", "layers.1", "layers.2", *loops]
+    np.testing.assert_allclose(heights[7], history.array("layers.0", "mean_abs")[-1], rtol=1e-12)
+    np.testing.assert_allclose(heights[3:7], history.array("loop", "max_abs")[-1], rtol=1e-12)
     assert bars.get_title() == "|g| per tag at step 30"
 
 
@@ -155,10 +158,11 @@ def test_paths_heatmap_marks_terms_that_do_not_reach_a_tag(tmp_path):
     fig = plot.paths(table, tags=["g", "h"], path=tmp_path / "paths.png")
     assert (tmp_path / "paths.png").read_bytes()[:8] == PNG
     ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["g", "h"]
+    # g has 3 loop steps: a row each; its aux cell, with no loop axes, is the same in each row
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["g[0]", "g[1]", "g[2]", "h"]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["ce", "aux"]
     texts = [t.get_text() for t in ax.texts]
-    assert texts.count("x  no path") == 1 and "0.05" in texts and "3" in texts
+    assert texts.count("x  no path") == 1 and texts.count("0.05") == 3 and texts.count("3") == 3
 
 
 @needs_matplotlib

@@ -183,6 +183,41 @@ def test_float32_out_of_range_per_step_and_per_example(maybe_jit):
     np.testing.assert_array_equal(np.asarray(norm), np.asarray(jnp.sqrt(jnp.sum(ordinary**2, axis=1))))
 
 
+@pytest.mark.parametrize("lam", [0.0, 1e-25, 1e25], ids=["zero", "tiny", "huge"])
+def test_float32_broadcast_gradient_of_a_weighted_term(lam, maybe_jit):
+    """Issue 50.4: loss = main + lam * aux with lam a step argument and the terms tagged, so the
+    gradient at aux is lam broadcast. Under jit on JAX 0.10.2, XLA rewrote square(g * 2**k) into
+    square(g) * 2**(2k), 0 * inf in float32, and norm and rms were nan; the scaled entries are now
+    made from g's bits, which no rewrite folds into the square."""
+
+    def loss(w, x, lam):
+        main = jt.tag(jnp.sum((x @ w) ** 2), "main")
+        aux = jt.tag(jnp.sum(jnp.abs(w)), "aux")  # a scalar term: its gradient is lam
+        entries = jt.tag(jnp.abs(w), "aux.entries")  # its gradient is lam broadcast to (8, 4)
+        return main + lam * aux + lam * jnp.sum(entries)
+
+    w, x = jnp.ones((8, 4), jnp.float32), jnp.ones((3, 8), jnp.float32)
+    step = maybe_jit(stats.value_and_grad(loss, stats=ALL))
+    _, (_, tag_stats) = step(w, x, jnp.float32(lam))
+    lam32 = np.float64(np.float32(lam))
+    for name, grad in (("aux", np.full((), lam32)), ("aux.entries", np.full((8, 4), lam32))):
+        want = numpy_stats(grad, 0)  # by hand in float64
+        for stat in ALL:
+            got = tag_stats[name][stat]
+            assert got.dtype == jnp.float32, (name, stat)
+            np.testing.assert_allclose(np.asarray(got, np.float64), want[stat], rtol=2e-6, atol=0, err_msg=f"{name} {stat}")
+
+
+@pytest.mark.parametrize("case", ["huge (squares overflow)", "tiny (squares underflow)"])
+def test_float32_range_guards_differentiate(case, maybe_jit):
+    """The scaled entries are made from g's bits, with their own derivative (|g| * 2**k's): the
+    norm's gradient is still g / |g| where the guards pick the scaled sums."""
+    g = jnp.asarray(np.array(FLOAT32_CASES[case], np.float32))
+    grad = maybe_jit(jax.grad(lambda g: stats.summarize({"g": g}, stats="norm")["g"]["norm"]))(g)
+    g64 = np.asarray(g, np.float64)
+    np.testing.assert_allclose(np.asarray(grad, np.float64), g64 / np.linalg.norm(g64), rtol=2e-6, atol=1e-12)
+
+
 @pytest.mark.long_eager
 def test_empty_values_and_rms_in_loops(maybe_jit):
     """No entries: norm 0, mean and rms nan, no non-finite entries; rms keeps loop axes like the rest."""
@@ -336,7 +371,7 @@ def test_history():
     np.testing.assert_array_equal(h.scalar("acc"), [np.nan, 0.5, np.nan])
     assert h.format(row=1) == "step 5  loss 2  acc 0.5  | norm: a 0.5"
     assert h.format(stat="max_abs", names=["a"], row=0) == "step 0  loss 3  | max_abs: a 2"
-    assert h.format() == "step 9  | norm: loop 1  late 7"
+    assert h.format() == "step 9  | norm: loop[0] 1  loop[1] 1  loop[2] 1  late 7"  # one entry per layer
     with pytest.raises(KeyError, match="has \\['a', 'loop', 'late'\\]"):
         h["b"]
     with pytest.raises(KeyError, match="No statistic 'mean_abs'"):
@@ -418,9 +453,10 @@ def test_summarize_tag_jacobians_per_term(maybe_jit, detach):
     assert bool(np.all(table["c"]["aux"]["norm"] == 0)) == detach  # the cut path is exactly zero
     text = stats.format_paths(table, tags=["c", "h"])
     assert text.splitlines()[0].split() == ["tag", "aux", "main", "vec"]
-    c_row = text.splitlines()[1]
-    assert ("0 (none)" in c_row) == detach
-    assert "0 (none)" in text.splitlines()[2]  # aux never reaches h
+    lines = text.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["c[0]", "c[1]", "c[2]", "c[3]", "h"]  # a row per loop step
+    assert all(("0 (none)" in c_row) == detach for c_row in lines[1:5])
+    assert "0 (none)" in lines[5]  # aux never reaches h
 
 
 def test_stats_jacrev_is_the_per_term_summary_in_the_loss_own_order(maybe_jit):
