@@ -258,7 +258,8 @@ def hand_stats(g, stats, keep=0):
 
 @check
 def stats_one_all_reduce_round():
-    """A sharded jt.stats step has no more all-reduces than sqrt(sum(g**2)) written by hand.
+    """A sharded jt.stats step has no more all-reduces than sqrt(sum(g**2)) written by hand, and no
+    all-gather (or other collective) the hand program lacks.
 
     Data parallel (the batch over all 8 devices), 4x2 tensor parallel (Megatron-style
     w1/w2, the batch over 'data'), FSDP (the parameters and the batch over 'data') and a
@@ -340,6 +341,14 @@ def stats_one_all_reduce_round():
             got_text = got_step.lower(params, x, y).compile().as_text()
             want_n, got_n = all_reduces(want_text), all_reduces(got_text)
             assert 1 <= got_n <= want_n, f"{layout}, stats={stats}: {got_n} all-reduces, the hand program {want_n}"
+            # no other collective the hand program lacks, of any kind, nor more bytes of it (the
+            # statistics reduce each shard where it lies: 0.1.x gathered the cotangents first)
+            want_ops, got_ops = collectives(want_text), collectives(got_text)
+            for kind in {k for k, _ in got_ops} - {"all-reduce"}:
+                got_k, want_k = [n for k, n in got_ops if k == kind], [n for k, n in want_ops if k == kind]
+                assert len(got_k) <= len(want_k) and sum(got_k) <= sum(want_k), (
+                    f"{layout}, stats={stats}: {kind} {len(got_k)}x ({sum(got_k)} elements), the hand program "
+                    f"{len(want_k)}x ({sum(want_k)} elements)")
             want, got = want_step(params, x, y), got_step(params, x, y)
             for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, err_msg=f"{layout}, {stats}")
