@@ -63,24 +63,30 @@ def tag_modules(model: Any, where: Where = None, *, inputs: bool = False) -> Any
 
 
 def tag_module_calls(
-    model: Any, where: Where = None, *, inputs: bool = False, params_of: Callable | None = None, scope=None
+    model: Any,
+    where: Where = None,
+    *,
+    inputs: bool = False,
+    params_of: Callable | None = None,
+    scope=None,
+    api: str = "jaxtrace.tag_modules",
 ) -> Any:
     """``tag_modules``, and with ``params_of(module) -> attribute names`` each selected module also marks
     those parameters where it reads them (``ModuleTag.params``); ``scope``: the tags are a transform's
-    own (``_tag.scoped``), found only while it traces."""
+    own (``_tag.scoped``), found only while it traces; ``api``: the public call the errors name."""
     if is_nnx_module(model):
         from .flax._nnx import tag_modules as tag_nnx  # imports Flax, which an nnx model has loaded
 
-        return tag_nnx(model, where, inputs=inputs, params_of=params_of, scope=scope)
+        return tag_nnx(model, where, inputs=inputs, params_of=params_of, scope=scope, api=api)
     if is_linen_module(model):
         raise TypeError(
-            "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
+            f"{api} got a Flax Linen module. Linen modules hold no parameters to copy, so "
             "they are tagged while they run: `with jaxtrace.flax.tag_modules(): "
             "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`."
         )
     if not is_equinox_module(model):
         raise TypeError(
-            f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
+            f"{api} needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
             "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
         )
-    return tag_equinox(model, where, inputs=inputs, params_of=params_of, scope=scope)
+    return tag_equinox(model, where, inputs=inputs, params_of=params_of, scope=scope, api=api)
