@@ -13,6 +13,7 @@ gradients come back in its structure: an optax state made from it before jaxtrac
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 import equinox as eqx
@@ -21,6 +22,7 @@ import jax.tree_util as jtu
 from . import _stats_option
 from ._ad import grad_result
 from ._checks import check_callable
+from ._errors import NoTags
 from ._module_tags import Where, parse_where
 from ._selection import Selection, TagSelection
 from ._tag_modules import tag_module_calls
@@ -68,16 +70,33 @@ class _Filtered(eqx.Module):
         where = None if self._modules is True else self._modules
         return tag_module_calls(model, where, inputs=self._module_inputs, api=f"jaxtrace.filter_{self._kind}(tag_modules=...)")
 
+    def _said(self, found: dict) -> dict:
+        """``found`` (a dict of tags), or where every tag was asked for and none found, a ``NoTags``
+        whose reads say how to tag the model."""
+        if found or type(found) not in (dict, collections.OrderedDict) or self._tags != Selection():
+            return found
+        if self._modules is False:
+            fix = (
+                f"Pass tag_modules=True (jt.filter_{self._kind}(fun, tag_modules=True)) to tag the model's modules "
+                "inside the transform, or tag values in the function with jt.tag(x, name)."
+            )
+        else:
+            fix = "tag_modules= selected no module that the function calls: select the modules it calls (paths as in named_modules())."
+        return NoTags(f"jaxtrace.filter_{self._kind}", fix)
+
     def __call__(self, *args, **kwargs):
         tag = None if self._modules is False else self._tag
         split_fun, split_args = _partitioned(self._fun, args, kwargs, tag)
         if self._kind == "jacrev":
             transform = _stats_option.jacrev(split_fun, 0, has_aux=self._has_aux, tags=self._tags, stats=self._stats)
-            return transform(*split_args, **kwargs)
+            result = transform(*split_args, **kwargs)
+            (jac, tag_jacs), aux = result if self._has_aux else (result, None)
+            return ((jac, self._said(tag_jacs)), aux) if self._has_aux else (jac, self._said(tag_jacs))
         transform = _stats_option.value_and_grad(
             split_fun, 0, has_aux=self._has_aux, tags=self._tags, with_values=self._with_values, stats=self._stats
         )
-        result = transform(*split_args, **kwargs)
+        value, (grads, tag_grads), *values = transform(*split_args, **kwargs)
+        result = (value, (grads, self._said(tag_grads)), *map(self._said, values))
         return grad_result(result, self._has_aux) if self._kind == "grad" else result
 
     def __get__(self, instance, owner):

@@ -512,6 +512,25 @@ def test_tag_modules_keyword_selects_and_keeps_the_structure_passed():
         jt.filter_value_and_grad(lambda p, x: jnp.sum(p["w"] * x), tag_modules=True)({"w": x}, x)
 
 
+def test_no_tags_found_says_how_to_tag():
+    """Issue 50.8: an untagged model gave {} and the next line a bare KeyError; reading a name now says why."""
+    model, x = mlp(), jnp.ones(3)
+    _, tag_grads = eqx.filter_jit(jt.filter_grad(mlp_loss))(model, x, jnp.zeros(2))
+    assert tag_grads == {}
+    with pytest.raises(KeyError, match=r"^jaxtrace\.filter_grad found no tags .* nothing named 'layers\.0'\. Pass tag_modules=True"):
+        tag_grads["layers.0"]
+    (_, (_, tag_grads), tag_values) = jt.filter_value_and_grad(mlp_loss, with_values=True)(model, x, jnp.zeros(2))
+    with pytest.raises(jt.TagError, match=r"^jaxtrace\.filter_value_and_grad found no tags"):
+        tag_values["layers.0"]
+    (_, tag_jacs), _ = jt.filter_jacrev(lambda m, x: ({"a": jnp.sum(m(x))}, None), has_aux=True, stats="norm")(model, x)
+    with pytest.raises(KeyError, match=r"^jaxtrace\.filter_jacrev found no tags"):
+        tag_jacs["layers.0"]
+    with pytest.raises(KeyError, match=r"found no tags .* tag_modules= selected no module that the function calls"):
+        jt.filter_grad(lambda m, x: jnp.sum(m.layers[0].weight @ x), tag_modules="layers.1")(model, x)[1]["layers.1"]
+    _, none_selected = jt.filter_grad(mlp_loss, tag_modules=True, tags=lambda name: False)(model, x, jnp.zeros(2))
+    assert type(none_selected) is dict and none_selected == {}  # tags exist, none asked for: a plain dict
+
+
 # --- the model around the tags ----------------------------------------------------
 
 
