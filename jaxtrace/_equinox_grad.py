@@ -61,6 +61,7 @@ class _Filtered(eqx.Module):
     _stats: Any = eqx.field(static=True, default=None)
     _modules: Any = eqx.field(static=True, default=False)  # tag_modules=: False, True or a where= (hashable)
     _module_inputs: bool = eqx.field(static=True, default=False)
+    _param_stats: bool = eqx.field(static=True, default=False)
 
     @property
     def __wrapped__(self):
@@ -88,7 +89,9 @@ class _Filtered(eqx.Module):
         tag = None if self._modules is False else self._tag
         split_fun, split_args = _partitioned(self._fun, args, kwargs, tag)
         if self._kind == "jacrev":
-            transform = _stats_option.jacrev(split_fun, 0, has_aux=self._has_aux, tags=self._tags, stats=self._stats)
+            transform = _stats_option.jacrev(
+                split_fun, 0, has_aux=self._has_aux, tags=self._tags, stats=self._stats, param_stats=self._param_stats
+            )
             result = transform(*split_args, **kwargs)
             (jac, tag_jacs), aux = result if self._has_aux else (result, None)
             return ((jac, self._said(tag_jacs)), aux) if self._has_aux else (jac, self._said(tag_jacs))
@@ -132,11 +135,15 @@ def _modules_option(tag_modules, module_inputs, api: str):
     return tag_modules
 
 
-def _wrap(fun: Callable, kind: str, has_aux, tags: TagSelection, with_values, stats, tag_modules, module_inputs) -> Callable:
+def _wrap(
+    fun: Callable, kind: str, has_aux, tags: TagSelection, with_values, stats, tag_modules, module_inputs, param_stats=False
+) -> Callable:
     api = f"jaxtrace.filter_{kind}"
     modules = _modules_option(tag_modules, module_inputs, api)
+    stats = _stats_option.stat_names(stats)
+    param_stats = _stats_option.check_param_stats(param_stats, stats, api)
     wrapper = _Filtered(
-        fun, kind, bool(has_aux), Selection.of(tags), bool(with_values), _stats_option.stat_names(stats), modules, bool(module_inputs)
+        fun, kind, bool(has_aux), Selection.of(tags), bool(with_values), stats, modules, bool(module_inputs), param_stats
     )
     return eqx.module_update_wrapper(wrapper, fun)
 
@@ -257,6 +264,7 @@ def filter_jacrev(
     stats: Any = None,
     tag_modules: bool | Where = False,
     module_inputs: bool = False,
+    param_stats: bool = False,
 ) -> Callable:
     """Like ``eqx.filter_jacrev``, and also the Jacobians at the tags: which loss term reaches which layer.
 
@@ -276,6 +284,10 @@ def filter_jacrev(
         tag_modules: tag the first argument's modules inside the transform, keeping
             ``jac`` in the structure of the model passed; see ``filter_value_and_grad``.
         module_inputs: with ``tag_modules``, also tag the modules' inputs (``"<path>:in"``).
+        param_stats: with ``stats=``, reduce ``jac`` too: the table
+            ``{parameter: {term: {stat: array}}}`` in its place, parameters
+            named by dotted paths (``"layers.0.weight"``): which loss term
+            reaches which parameter.
 
     Returns:
         A function that returns ``(jac, tag_jacs)``, or with ``has_aux``
@@ -284,22 +296,25 @@ def filter_jacrev(
         non-differentiated leaves) and ``tag_jacs`` what ``jaxtrace.jacrev``
         returns. With ``stats=``, ``tag_jacs`` is the table
         ``{tag: {term: {stat: array}}}`` that ``jaxtrace.stats.format_paths``
-        prints.
+        prints, and with ``param_stats=True`` so is ``jac`` (one row per parameter).
 
     Raises:
-        TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind;
-            when called, if the first argument is passed by keyword.
+        TypeError: if ``fun`` is not callable, ``tags`` or ``tag_modules`` is of the
+            wrong kind, or ``param_stats`` comes without ``stats``; when called, if
+            the first argument is passed by keyword.
         ValueError: if a name in ``stats`` is not in ``jaxtrace.stats.STATS``.
 
     Example:
         >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
-        >>> model = jt.tag_modules(eqx.nn.MLP(2, 1, 4, 2, key=jax.random.key(0)))
+        >>> model = eqx.nn.MLP(2, 1, 4, 2, key=jax.random.key(0))
         >>> def losses(model, x):
         ...     out, acts = jt.capture(model)(x)
         ...     return {"main": jnp.sum(out ** 2), "aux": jnp.sum(acts["layers.1"] ** 2)}
-        >>> _, table = jt.filter_jacrev(losses, stats="norm")(model, jnp.ones(2))
-        >>> [name for name in table if float(table[name]["aux"]["norm"]) > 0]  # aux reaches layers 0 and 1 only
+        >>> params, layers = jt.filter_jacrev(losses, stats="norm", param_stats=True, tag_modules=True)(model, jnp.ones(2))
+        >>> [name for name in layers if float(layers[name]["aux"]["norm"]) > 0]  # aux reaches layers 0 and 1 only
         ['layers.0', 'layers.1']
+        >>> [name for name in params if float(params[name]["aux"]["norm"]) > 0]  # ... and their parameters
+        ['layers.0.weight', 'layers.0.bias', 'layers.1.weight', 'layers.1.bias']
     """
     check_callable(fun, "jaxtrace.filter_jacrev")
-    return _wrap(fun, "jacrev", has_aux, tags, False, stats, tag_modules, module_inputs)
+    return _wrap(fun, "jacrev", has_aux, tags, False, stats, tag_modules, module_inputs, param_stats)

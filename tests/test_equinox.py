@@ -891,6 +891,22 @@ def test_filter_jacrev_on_an_mlp_against_eps(maybe_jit):
         for term in ("mse", "aux"):
             np.testing.assert_allclose(table[name][term]["norm"], np.linalg.norm(np.ravel(expected[term][name])), rtol=1e-12)
     assert "0 (none)" in jt.stats.format_paths(table).splitlines()[2]  # aux does not reach layers.1
+    # param_stats=True: jac reduced the same way, one row per parameter in the model's order, from the
+    # untagged model (tag_modules=True): the norms of eqx.filter_jacrev's Jacobian, exact zeros as none.
+    params_table, _ = maybe_jit(jt.filter_jacrev(losses, stats="norm", param_stats=True, tag_modules=True))(model, x, y)
+    expected_jac = eqx.filter_jacrev(plain)(model, x, y)
+    names = [f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")]
+    assert list(params_table) == names and all(list(per_term) == ["mse", "aux"] for per_term in params_table.values())
+    for i in range(3):
+        for p in ("weight", "bias"):
+            for term in ("mse", "aux"):
+                leaf = getattr(expected_jac[term].layers[i], p)
+                np.testing.assert_allclose(params_table[f"layers.{i}.{p}"][term]["norm"], np.linalg.norm(np.ravel(leaf)), rtol=1e-12)
+    lines = jt.stats.format_paths(params_table, header="parameter").splitlines()
+    assert lines[0].split() == ["parameter", "mse", "aux"]
+    assert [line.split()[0] for line in lines if line.endswith("0 (none)")] == names[2:]  # aux reaches layers.0's only
+    with pytest.raises(TypeError, match=r"^jaxtrace\.filter_jacrev: param_stats=True .* stats= is None"):
+        jt.filter_jacrev(losses, param_stats=True)
 
 
 def test_filter_jacrev_has_aux_tags_and_errors():
