@@ -118,6 +118,7 @@ class Comparison:
         atol: the default absolute tolerance.
         labels: the two sides' names in the table.
         strict: whether names on one side only make ``ok`` false.
+        torch: whether either side held torch tensors (the verdict then says how to name them).
 
     Example:
         >>> import numpy as np, jaxtrace as jt
@@ -133,6 +134,7 @@ class Comparison:
     atol: float
     labels: tuple
     strict: bool
+    torch: bool = False
 
     @property
     def failed(self) -> list:
@@ -141,8 +143,12 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """True when every common name matches and (if ``strict``) no name is one-sided."""
-        return not self.failed and (not self.strict or not (self.only_a or self.only_b))
+        """True when every common name matches, some name is compared (unless both sides are empty)
+        and (if ``strict``) no name is one-sided."""
+        one_sided = bool(self.only_a or self.only_b)
+        if one_sided and not self.rows:  # nothing compared: never a pass, strict or not
+            return False
+        return not self.failed and (not self.strict or not one_sided)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -193,14 +199,23 @@ class Comparison:
         return "\n".join(lines)
 
     def _one_sided(self) -> str:
-        """``", 2 names only in torch"`` where those make a strict comparison fail."""
-        if not self.strict:
-            return ""
+        """``", 2 names only in torch"`` where those make a strict comparison fail, or where no name
+        is common (then how to name the two sides alike, not ``strict=False``, which compares nothing)."""
         a, b = self.labels
         counts = [(len(n), label) for label, n in ((a, self.only_a), (b, self.only_b)) if n]
-        return "".join(f", {k} name{'s' * (k != 1)} only in {label}" for k, label in counts) + (
-            " (strict=False ignores names on one side)" if counts and not self.failed else ""
-        )
+        said = "".join(f", {k} name{'s' * (k != 1)} only in {label}" for k, label in counts)
+        if counts and not self.rows:
+            how = (
+                "; for an equinox model's parameter gradients against torch's, name both as torch's "
+                "named_parameters(): jt.compare(jaxtrace.torch.named_grads(grads, module), "
+                "{name: p.grad for name, p in module.named_parameters()})"
+                if self.torch
+                else ""
+            )
+            return f"{said} (no name is on both sides, so nothing was compared: give both sides the same names{how})"
+        if not self.strict:
+            return ""
+        return said + (" (strict=False ignores names on one side)" if counts and not self.failed else "")
 
     def __str__(self) -> str:
         return self.table()
@@ -319,7 +334,8 @@ def compare(
             "NCH->NHC", "NHC->NCH", "transpose", "reshape"}``, or a function
             ``(name, array) -> array`` for every name.
         labels: the two sides' names in the printed table.
-        strict: names found on one side only make ``.ok`` false.
+        strict: names found on one side only make ``.ok`` false. With no name on
+            both sides ``.ok`` is false either way: nothing was compared.
         equal_nan: ``nan`` passes where both sides have it at the same places.
 
     Returns:
@@ -358,7 +374,8 @@ def compare(
     only_b = tuple(n for n in flat_b if n not in flat_a)
     # The default tolerances, for the table's last line: what a name no key matches is held to.
     default_rtol, default_atol = _default(rtol, DEFAULT_RTOL), _default(atol, DEFAULT_ATOL)
-    return Comparison(rows, only_a, only_b, default_rtol, default_atol, tuple(labels), bool(strict))
+    torch = any(type(v).__module__.split(".")[0] == "torch" for v in [*flat_a.values(), *flat_b.values()])
+    return Comparison(rows, only_a, only_b, default_rtol, default_atol, tuple(labels), bool(strict), torch)
 
 
 def _default(tol: Tolerance, default: float) -> float:

@@ -178,11 +178,13 @@ def _rebuild(module: eqx.Module, path: str, specs: dict) -> eqx.Module:
     return out
 
 
-def tag_equinox(model: eqx.Module, where: Where = None, *, inputs: bool = False, params_of=None, scope=None) -> eqx.Module:
+def tag_equinox(
+    model: eqx.Module, where: Where = None, *, inputs: bool = False, params_of=None, scope=None, api: str = "jaxtrace.tag_modules"
+) -> eqx.Module:
     """The equinox case of ``jaxtrace.tag_modules``: a copy whose selected modules are tagged subclasses
-    (``params_of``: see ``_tag_modules.tag_module_calls``)."""
+    (``params_of``, ``api``: see ``_tag_modules.tag_module_calls``)."""
     candidates = [(p, m) for p, m in _named_modules(model) if is_callable_module(m)]
-    chosen = choose(candidates, where, "jaxtrace.tag_modules")
+    chosen = choose(candidates, where, api)
     modules = dict(candidates)
     specs = {p: ModuleTag(p, bool(inputs), tuple(params_of(modules[p])) if params_of else (), scope) for p in chosen}
     return _rebuild(model, "", specs)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ._checks import check_callable
-from ._errors import TagError
+from ._errors import NoTags, TagError
 from ._selection import Selection, TagSelection, refuse_differentiated
 from ._sites import Site
 from ._split import Split, is_array, keep
@@ -32,7 +32,8 @@ def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
 
     Returns:
         A function with ``fun``'s signature that returns ``(out, tag_values)``,
-        ``tag_values`` being ``{name: value}``.
+        ``tag_values`` being ``{name: value}``; ``{}`` when ``fun`` has no tags,
+        and reading a name from it then says so (a ``KeyError``).
 
     Raises:
         TypeError: if ``fun`` is not callable or ``tags`` is of the wrong kind.
@@ -53,9 +54,18 @@ def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
     def captured(*args, **kwargs):
         split = Split(fun, args, kwargs, range(len(args)), tags, dynamic=is_array, purpose="read")
         out, values = split(split.args, keep, {}, split.keys)
+        if not split.program.sites:  # reading a name then says that nothing is tagged, and how to tag
+            return out, NoTags("jaxtrace.capture", _HOW_TO_TAG)
         return out, split.tag_tree(values)
 
     return captured
+
+
+_HOW_TO_TAG = (
+    "An equinox or Flax NNX model is tagged with jt.tag_modules(model), then captured with "
+    "jt.capture(tagged)(x) (a value in your own code: jt.tag(x, name)); inside jt.filter_grad(fun, "
+    "tag_modules=True) and the other filter transforms, the model fun gets is tagged already."
+)
 
 
 def jvp(fun: Callable, primals, tangents, *, tags: TagSelection = None):

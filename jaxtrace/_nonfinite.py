@@ -22,7 +22,7 @@ from ._ad import split_for_reverse
 from ._arrays import is_inexact_array
 from ._nonfinite_order import loop_count, templates
 from ._nonfinite_report import NONE, NonfiniteReport, ReportMeta, TagInfo, source
-from ._paths import path_name
+from ._paths import param_path, path_name
 from ._checks import check_callable, normalize_argnums
 from ._selection import Selection, TagSelection
 
@@ -98,7 +98,7 @@ def find_nonfinite(
         (value, (aux, values)), (g_diff, g_eps) = jax.value_and_grad(run_inexact, argnums=(0, 1), has_aux=True)(diff, eps)
         infos, value_codes, gradient_codes = _tag_codes(split, values, g_eps)
         # Paths inside the argument with one argnum (as its gradient's), else from the tuple of arguments.
-        chosen = [_param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]
+        chosen = [param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]
         meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux))
         param_bad = [~jnp.all(jnp.isfinite(g)) for g in g_diff]
         return NonfiniteReport(value, aux, _stacked(value_codes), _stacked(gradient_codes), _stacked(param_bad, bool), meta)
@@ -165,10 +165,3 @@ def _first_code(leaves: Sequence, prefix: int, loops: int, backward: bool):
         stride *= shape[axis]
     code = jnp.where(worst == 0, NONE, 2 * flat + (worst == 1).astype(jnp.int32))
     return jnp.min(code, initial=NONE)
-
-
-def _param_path(path: tuple) -> tuple:
-    """A parameter's path without the ``.value`` attribute of a Flax NNX ``Variable`` at its end."""
-    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-        return path[:-1]
-    return path

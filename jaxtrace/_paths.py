@@ -10,7 +10,7 @@ from typing import Iterable
 
 import jax.tree_util as jtu
 
-__all__ = ["key_name", "path_name", "join"]
+__all__ = ["key_name", "path_name", "param_path", "join"]
 
 
 def key_name(key) -> str:
@@ -21,6 +21,14 @@ def key_name(key) -> str:
 def path_name(path: Iterable) -> str:
     """A pytree path as a dotted name (``"layers.0.weight"``; ``""`` for the root)."""
     return ".".join(key_name(k) for k in path)
+
+
+def param_path(path: tuple) -> tuple:
+    """A parameter's path without the ``.value`` attribute of a Flax NNX ``Variable`` at its end
+    (``0.kernel``, not ``0.kernel.value``)."""
+    if path and isinstance(path[-1], jtu.GetAttrKey) and path[-1].name == "value":
+        return path[:-1]
+    return path
 
 
 def join(prefix: str, *names: str) -> str:

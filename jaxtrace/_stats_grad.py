@@ -19,7 +19,7 @@ from ._ad import jacrev as _jacrev
 from ._ad import value_and_grad_with_sites
 from ._checks import check_callable
 from ._selection import Selection, TagSelection
-from ._summary import STATS, LoopAxes, check_stat_names, in_order, summarize, term_names_in_order
+from ._summary import STATS, LoopAxes, check_stat_names, in_order, param_table, summarize, term_names_in_order
 
 __all__ = ["value_and_grad", "jacrev"]
 
@@ -111,6 +111,7 @@ def jacrev(
     tags: TagSelection = None,
     stats: str | Sequence[str] = STATS,
     loop_axes: LoopAxes = 0,
+    param_stats: bool = False,
 ) -> Callable:
     """:func:`jaxtrace.jacrev` with each tag's Jacobian reduced per term: which loss term reaches which tag.
 
@@ -123,6 +124,9 @@ def jacrev(
     its output, under ``jax.jit`` too, so :func:`format_paths` prints them in
     that order. An exact zero: the term does not reach the tag.
     ``loop_axes`` is :func:`summarize`'s (default: every axis reduced).
+    ``param_stats=True`` reduces ``jac`` the same way, to the table
+    ``{parameter: {term: {stat: array}}}`` (parameters named by dotted paths,
+    ``"layers.0.weight"``): which loss term reaches which parameter.
 
     One way per framework, as for gradients: a pytree of arrays goes here; an
     equinox model to ``jt.filter_jacrev(fun, stats=...)`` (its floating arrays,
@@ -136,10 +140,12 @@ def jacrev(
         tags: which tags, as in ``jaxtrace.value_and_grad``.
         stats: one name from ``STATS``, or a sequence of them.
         loop_axes: how many leading axes of each tag to keep, as in :func:`summarize`.
+        param_stats: return the parameters' table in place of ``jac``.
 
     Returns:
         A function that returns ``(jac, table)``, or with ``has_aux``
-        ``((jac, table), aux)``.
+        ``((jac, table), aux)``; with ``param_stats=True``, ``jac`` is the
+        parameters' table.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxtrace as jt
@@ -171,6 +177,8 @@ def jacrev(
         shapes, order = seen[0]
         table = summarize(tag_jacs, terms=shapes, loop_axes=loop_axes, stats=stats)
         table = collections.OrderedDict((name, in_order(per_term, order)) for name, per_term in table.items())
+        if param_stats:
+            jac = param_table(jac, shapes, stats, order)
         return ((jac, table), aux) if has_aux else (jac, table)
 
     return table_fun

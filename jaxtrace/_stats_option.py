@@ -15,7 +15,7 @@ from . import _stats_grad
 from ._selection import TagSelection
 from ._summary import STATS, check_stat_names
 
-__all__ = ["stat_names", "value_and_grad", "jacrev"]
+__all__ = ["stat_names", "check_param_stats", "value_and_grad", "jacrev"]
 
 
 def stat_names(stats) -> Any:
@@ -39,8 +39,19 @@ def value_and_grad(
     return _stats_grad.value_and_grad(fun, argnums, has_aux=has_aux, tags=tags, stats=stats, with_values=with_values)
 
 
-def jacrev(fun: Callable, argnums, *, has_aux: bool, tags: TagSelection, stats: Any) -> Callable:
-    """``jaxtrace.jacrev``, or with ``stats`` (what ``stat_names`` returns) ``jaxtrace.stats.jacrev``."""
+def check_param_stats(param_stats, stats, api: str) -> bool:
+    """``param_stats=`` checked against ``stats=`` (what ``stat_names`` returns): it needs statistics to reduce with."""
+    if param_stats and stats is None:
+        raise TypeError(
+            f"{api}: param_stats=True reduces the parameters' Jacobian with the statistics of stats=, but "
+            'stats= is None. Pass stats="norm" (or True for all of jaxtrace.stats.STATS) with it.'
+        )
+    return bool(param_stats)
+
+
+def jacrev(fun: Callable, argnums, *, has_aux: bool, tags: TagSelection, stats: Any, param_stats: bool = False) -> Callable:
+    """``jaxtrace.jacrev``, or with ``stats`` (what ``stat_names`` returns) ``jaxtrace.stats.jacrev``
+    (``param_stats``: its parameters' table in place of ``jac``; checked by ``check_param_stats``)."""
     if stats is None:
         return _ad.jacrev(fun, argnums, has_aux=has_aux, tags=tags)
-    return _stats_grad.jacrev(fun, argnums, has_aux=has_aux, tags=tags, stats=stats)
+    return _stats_grad.jacrev(fun, argnums, has_aux=has_aux, tags=tags, stats=stats, param_stats=param_stats)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._paths import path_name
+from ._paths import param_path, path_name
 
 STATS = ("norm", "mean_abs", "max_abs", "nonfinite")
 """The statistics :func:`summarize` computes by default; ``"rms"`` is computed when asked for."""
@@ -33,6 +33,7 @@ __all__ = [
     "summarize",
     "term_name",
     "format_paths",
+    "param_table",
     "check_stat_names",
     "term_names_in_order",
     "in_order",
@@ -159,6 +160,24 @@ def _per_term(name: str, value, terms, keep: int, stats: tuple) -> dict:
     return in_order(out, term_names_in_order(terms))
 
 
+def param_table(jac, terms, stats: tuple, order: list[str] | None = None) -> collections.OrderedDict:
+    """``{parameter: {term: {stat: array}}}``: each leaf of a parameter Jacobian ``jac`` (the output's
+    structure on top, the parameters' below it, as ``jax.jacrev`` gives it) reduced per term, the
+    parameters named by their dotted paths, in the order of the parameters' leaves, and the terms in
+    ``order`` (the loss's). ``None`` leaves (not differentiated) have no row; an exact zero is a term
+    that does not reach the parameter."""
+    paths_and_leaves, structure = jax.tree_util.tree_flatten_with_path(terms)
+    parts = structure.flatten_up_to(jac)
+    table: collections.OrderedDict = collections.OrderedDict()
+    for (path, _), part in zip(paths_and_leaves, parts):
+        term = term_name(path)
+        for path_in_params, leaf in jax.tree_util.tree_flatten_with_path(part)[0]:
+            name = path_name(param_path(path_in_params))
+            table.setdefault(name, {})[term] = _summarize_one(f"{name}/{term}", leaf, 0, stats)
+    order = term_names_in_order(terms) if order is None else order
+    return collections.OrderedDict((name, in_order(per_term, order)) for name, per_term in table.items())
+
+
 def term_names_in_order(tree, prefix: tuple = ()) -> list[str]:
     """The term names of an output, dicts in the order the function built them (JAX sorts dict keys)."""
     if type(tree) in (dict, collections.OrderedDict):
@@ -176,7 +195,10 @@ def in_order(per_term: dict, order: list[str]) -> collections.OrderedDict:
 
 
 def format_paths(
-    table: Mapping[str, Mapping[str, Mapping[str, Any]]], stat: str = "norm", tags: Sequence[str] | None = None
+    table: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    stat: str = "norm",
+    tags: Sequence[str] | None = None,
+    header: str = "tag",
 ) -> str:
     """The tag x term table of :func:`summarize` ``(tag_jacs, terms=...)`` as text.
 
@@ -187,12 +209,15 @@ def format_paths(
     A tag with kept loop axes (a scanned stack) has one row per layer,
     ``name[i]``, as everywhere statistics are shown. A term that does not
     reach a tag (exactly zero) shows as ``0 (none)``: a detached path (a
-    stray ``stop_gradient``) looks like that.
+    stray ``stop_gradient``) looks like that. The parameter table of
+    ``jt.filter_jacrev(..., stats="norm", param_stats=True)`` prints the same way,
+    one row per parameter (``header="parameter"``).
 
     Args:
         table: what ``summarize(tag_jacs, terms=...)`` returns.
         stat: the statistic to show.
         tags: the rows, in order (default: the table's).
+        header: the first column's title.
 
     Returns:
         The table as text, one line per tag (per layer of a stacked tag).
@@ -206,7 +231,7 @@ def format_paths(
     """
     names = list(table) if tags is None else list(tags)
     terms = list(dict.fromkeys(t for name in names for t in table[name]))
-    rows = [["tag", *[t or "(output)" for t in terms]]]
+    rows = [[header, *[t or "(output)" for t in terms]]]
     for name in names:
         for label, index in entries(name, stack_shape(table[name], stat)):
             row = [label]

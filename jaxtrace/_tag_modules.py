@@ -25,10 +25,18 @@ def tag_modules(model: Any, where: Where = None, *, inputs: bool = False) -> Any
     ``eqx.nn.Sequential`` / ``nnx.Sequential`` by index alone (``"0"``), the
     root ``""``. A module called several times gives its calls stacked on a
     leading axis in call order; calls inside ``lax.scan`` / ``nnx.scan`` are
-    stacked per step. ``model`` itself is not changed; the copy has the same
-    parameters in the same order, so gradients, optimiser states and
-    checkpoints are interchangeable with the original's, and its modules are
-    instances of subclasses of the original classes. What is tagged for each
+    stacked per step. A tag holds what the module's ``__call__`` returns and
+    nothing its parent does with it: on ``eqx.nn.MLP``, ``"layers.0"`` is the
+    first ``Linear``'s output *before* the activation (which the MLP applies),
+    and the activation's output is ``"layers.1:in"`` (``inputs=True``).
+
+    ``model`` itself is not changed. The copy holds the same parameter arrays
+    in the same order, and its modules are instances of subclasses of the
+    original classes, so it is another pytree structure: for an equinox
+    model, its gradients do not fit an optimiser state made from the original
+    (an NNX model's ``nnx.state`` is the same tree). In a training loop that
+    holds the untagged model, tag inside the transform instead:
+    ``jt.filter_value_and_grad(loss, tag_modules=True)``. What is tagged for each
     kind of output and state, and the Flax NNX details, are in the guides
     (*Equinox models*, *Flax models*); for Linen see ``jaxtrace.flax.tag_modules``.
 
@@ -63,24 +71,30 @@ def tag_modules(model: Any, where: Where = None, *, inputs: bool = False) -> Any
 
 
 def tag_module_calls(
-    model: Any, where: Where = None, *, inputs: bool = False, params_of: Callable | None = None, scope=None
+    model: Any,
+    where: Where = None,
+    *,
+    inputs: bool = False,
+    params_of: Callable | None = None,
+    scope=None,
+    api: str = "jaxtrace.tag_modules",
 ) -> Any:
     """``tag_modules``, and with ``params_of(module) -> attribute names`` each selected module also marks
     those parameters where it reads them (``ModuleTag.params``); ``scope``: the tags are a transform's
-    own (``_tag.scoped``), found only while it traces."""
+    own (``_tag.scoped``), found only while it traces; ``api``: the public call the errors name."""
     if is_nnx_module(model):
         from .flax._nnx import tag_modules as tag_nnx  # imports Flax, which an nnx model has loaded
 
-        return tag_nnx(model, where, inputs=inputs, params_of=params_of, scope=scope)
+        return tag_nnx(model, where, inputs=inputs, params_of=params_of, scope=scope, api=api)
     if is_linen_module(model):
         raise TypeError(
-            "jaxtrace.tag_modules got a Flax Linen module. Linen modules hold no parameters to copy, so "
+            f"{api} got a Flax Linen module. Linen modules hold no parameters to copy, so "
             "they are tagged while they run: `with jaxtrace.flax.tag_modules(): "
             "jt.grad(lambda p, x: loss(model.apply(p, x)))(params, x)`."
         )
     if not is_equinox_module(model):
         raise TypeError(
-            f"jaxtrace.tag_modules needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
+            f"{api} needs an equinox.Module or a Flax nnx.Module, but got {type(model).__name__}. "
             "Pass the model itself (e.g. an eqx.nn.MLP, an nnx.Linear or your own module subclass)."
         )
-    return tag_equinox(model, where, inputs=inputs, params_of=params_of, scope=scope)
+    return tag_equinox(model, where, inputs=inputs, params_of=params_of, scope=scope, api=api)

@@ -185,3 +185,21 @@ def test_summary_when_only_one_sided_names_fail():
     assert "failed:" not in text
     relaxed = jt.compare({"z": np.zeros(2)}, {"z": np.zeros(2), "q": np.ones(1)}, strict=False)
     assert relaxed.ok and "OK: 1/1 names match a vs b (pass:" in str(relaxed)
+
+
+def test_nothing_in_common_is_no_pass_and_says_how_to_name_the_sides():
+    """Issue 50.8: with no name on both sides, strict=False would pass on nothing; the verdict says to name
+    the sides alike, and for torch gradients how (jaxtrace.torch.named_grads)."""
+    grads = {"layers": [{"weight": np.ones((2, 3)), "bias": np.ones(2)}]}  # an equinox model's, as a pytree
+    unnamed = [np.ones((2, 3)), np.ones(2)]  # [p.grad for p in module.parameters()]: named "0", "1"
+    for strict in (True, False):
+        result = jt.compare(grads, unnamed, labels=("jax", "torch"), strict=strict)
+        assert not result.ok and not result.rows
+        text = str(result)
+        assert "FAILED: 0/0 names match jax vs torch, 2 names only in jax, 2 names only in torch (no name is on both sides" in text
+        assert "strict=False" not in text and "named_grads" not in text  # no torch tensor here
+    assert jt.compare({}, {}).ok  # nothing on either side: nothing to fail
+    torch = pytest.importorskip("torch")
+    text = str(jt.compare(grads, [torch.ones(2, 3), torch.ones(2)], strict=False))
+    assert "nothing was compared: give both sides the same names; for an equinox model's parameter gradients" in text
+    assert "jt.compare(jaxtrace.torch.named_grads(grads, module), {name: p.grad for name, p in module.named_parameters()})" in text

@@ -432,6 +432,105 @@ def test_optax_training_step():
     assert_close(tag_grads, {k: expected[k] for k in tag_grads})
 
 
+def test_optax_loop_that_ran_before_jaxtrace_keeps_its_state(maybe_jit):
+    """Issue 50.1: jaxtrace added to a loop that already runs. The optimiser state was made from the
+    untagged model before jaxtrace entered; with tag_modules=True the step changes in one line and
+    its updates are the plain loop's, step by step, its tag gradients the + eps oracle's."""
+    optax = pytest.importorskip("optax")
+    model = mlp()
+    xs, ys = jax.random.normal(KEYS[13], (4, 3)), jax.random.normal(KEYS[14], (4, 2))
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))  # the loop's own, made before jaxtrace
+    traces = []
+
+    def batch_loss(model, xs, ys):
+        return jnp.mean(jax.vmap(mlp_loss, in_axes=(None, 0, 0))(model, xs, ys))
+
+    def plain_step(model, opt_state, xs, ys):
+        loss, grads = eqx.filter_value_and_grad(batch_loss)(model, xs, ys)
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, updates
+
+    def step(model, opt_state, xs, ys):  # the same step, jaxtrace in its first line
+        traces.append(1)
+        loss, (grads, tag_grads) = jt.filter_value_and_grad(batch_loss, tag_modules=True, module_inputs=True)(model, xs, ys)
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, updates, tag_grads
+
+    plain_step, step = maybe_jit(plain_step), maybe_jit(step)
+    oracle = lambda eps, m: jnp.mean(jax.vmap(mlp_oracle, in_axes=(None, 0, 0, 0))(m, eps, xs, ys))
+    plain, plain_state, traced, traced_state = model, opt_state, model, opt_state
+    for _ in range(3):
+        before = traced
+        plain, plain_state, plain_updates = plain_step(plain, plain_state, xs, ys)
+        traced, traced_state, updates, tag_grads = step(traced, traced_state, xs, ys)
+        assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(plain_updates)
+        assert_close(updates, plain_updates)
+        assert_close(tag_grads, eps_oracle(oracle, zeros_like(tag_grads), before))
+    assert len(tag_grads) == 8  # every module's output and input: ":in", "", "layers.i", "layers.i:in"
+    assert jax.tree_util.tree_structure(traced) == jax.tree_util.tree_structure(model)  # still untagged
+    assert jax.tree_util.tree_structure(traced_state) == jax.tree_util.tree_structure(opt_state)
+    assert_close((params(traced), traced_state), (params(plain), plain_state))
+    if maybe_jit is eqx.filter_jit:
+        assert len(traces) == 1  # the structures the loop carries never change: no retrace
+    # A plain step continues from the jaxtrace steps' state, and back: the two are interchangeable.
+    mixed, mixed_state, _ = plain_step(*step(model, opt_state, xs, ys)[:2], xs, ys)
+    again, again_state, _ = plain_step(*plain_step(model, opt_state, xs, ys)[:2], xs, ys)
+    assert_close((params(mixed), mixed_state), (params(again), again_state))
+
+
+def test_tag_modules_keyword_selects_and_keeps_the_structure_passed():
+    net, x = Net(KEYS[1]), jnp.ones(3)
+    loss = lambda m, x: jnp.sum(m(x))
+    grads, tags = jt.filter_grad(loss, tag_modules=["blocks.1.norm", "seq.0"], module_inputs=True)(net, x)
+    assert list(tags) == ["blocks.1.norm:in", "blocks.1.norm", "seq.0:in", "seq.0"]
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(eqx.filter_grad(loss)(net, x))
+    _, tags = jt.filter_grad(loss, tag_modules=eqx.nn.LayerNorm)(net, x)
+    assert list(tags) == ["blocks.0.norm", "blocks.1.norm"]
+    _, (_, tags) = jt.filter_value_and_grad(loss, tag_modules=lambda path, m: path == "embed")(net, x)
+    assert list(tags) == ["embed"]
+    # The model passed keeps its structure in filter_jacrev's jac too, and capture sees the tags in fun.
+    def terms(m, x):
+        out, acts = jt.capture(m)(x)
+        return {"out": jnp.sum(out), "aux": jnp.sum(acts["embed"] ** 2)}
+
+    jac, table = jt.filter_jacrev(terms, tag_modules=True, stats="norm")(net, x)
+    assert jax.tree_util.tree_structure(jac["aux"]) == jax.tree_util.tree_structure(eqx.filter(net, eqx.is_inexact_array))
+    assert list(table)[0] == "embed" and float(table["heads.a"]["aux"]["norm"]) == 0.0
+    # A model tagged beforehand keeps working, and its gradients keep its (tagged) structure.
+    tagged = jt.tag_modules(net)
+    grads, tags = jt.filter_grad(loss)(tagged, x)
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(eqx.filter_grad(loss)(tagged, x))
+    assert len(tags) == 13
+    with pytest.raises(TypeError, match=r"^jaxtrace\.filter_grad: tag_modules= must be False .*; got 3 of type int\.$"):
+        jt.filter_grad(loss, tag_modules=3)
+    with pytest.raises(TypeError, match=r"module_inputs=True .* tag_modules= selects none\. Pass tag_modules=True"):
+        jt.filter_jacrev(terms, module_inputs=True)
+    with pytest.raises(ValueError, match=r"^jaxtrace\.filter_grad\(tag_modules=\.\.\.\): no callable submodule at 'nope'"):
+        jt.filter_grad(loss, tag_modules="nope")(net, x)
+    with pytest.raises(TypeError, match=r"filter_value_and_grad\(tag_modules=\.\.\.\) needs an equinox\.Module"):
+        jt.filter_value_and_grad(lambda p, x: jnp.sum(p["w"] * x), tag_modules=True)({"w": x}, x)
+
+
+def test_no_tags_found_says_how_to_tag():
+    """Issue 50.8: an untagged model gave {} and the next line a bare KeyError; reading a name now says why."""
+    model, x = mlp(), jnp.ones(3)
+    _, tag_grads = eqx.filter_jit(jt.filter_grad(mlp_loss))(model, x, jnp.zeros(2))
+    assert tag_grads == {}
+    with pytest.raises(KeyError, match=r"^jaxtrace\.filter_grad found no tags .* nothing named 'layers\.0'\. Pass tag_modules=True"):
+        tag_grads["layers.0"]
+    (_, (_, tag_grads), tag_values) = jt.filter_value_and_grad(mlp_loss, with_values=True)(model, x, jnp.zeros(2))
+    with pytest.raises(jt.TagError, match=r"^jaxtrace\.filter_value_and_grad found no tags"):
+        tag_values["layers.0"]
+    (_, tag_jacs), _ = jt.filter_jacrev(lambda m, x: ({"a": jnp.sum(m(x))}, None), has_aux=True, stats="norm")(model, x)
+    with pytest.raises(KeyError, match=r"^jaxtrace\.filter_jacrev found no tags"):
+        tag_jacs["layers.0"]
+    with pytest.raises(KeyError, match=r"found no tags .* tag_modules= selected no module that the function calls"):
+        jt.filter_grad(lambda m, x: jnp.sum(m.layers[0].weight @ x), tag_modules="layers.1")(model, x)[1]["layers.1"]
+    _, none_selected = jt.filter_grad(mlp_loss, tag_modules=True, tags=lambda name: False)(model, x, jnp.zeros(2))
+    assert type(none_selected) is dict and none_selected == {}  # tags exist, none asked for: a plain dict
+
+
 # --- the model around the tags ----------------------------------------------------
 
 
@@ -792,6 +891,22 @@ def test_filter_jacrev_on_an_mlp_against_eps(maybe_jit):
         for term in ("mse", "aux"):
             np.testing.assert_allclose(table[name][term]["norm"], np.linalg.norm(np.ravel(expected[term][name])), rtol=1e-12)
     assert "0 (none)" in jt.stats.format_paths(table).splitlines()[2]  # aux does not reach layers.1
+    # param_stats=True: jac reduced the same way, one row per parameter in the model's order, from the
+    # untagged model (tag_modules=True): the norms of eqx.filter_jacrev's Jacobian, exact zeros as none.
+    params_table, _ = maybe_jit(jt.filter_jacrev(losses, stats="norm", param_stats=True, tag_modules=True))(model, x, y)
+    expected_jac = eqx.filter_jacrev(plain)(model, x, y)
+    names = [f"layers.{i}.{p}" for i in range(3) for p in ("weight", "bias")]
+    assert list(params_table) == names and all(list(per_term) == ["mse", "aux"] for per_term in params_table.values())
+    for i in range(3):
+        for p in ("weight", "bias"):
+            for term in ("mse", "aux"):
+                leaf = getattr(expected_jac[term].layers[i], p)
+                np.testing.assert_allclose(params_table[f"layers.{i}.{p}"][term]["norm"], np.linalg.norm(np.ravel(leaf)), rtol=1e-12)
+    lines = jt.stats.format_paths(params_table, header="parameter").splitlines()
+    assert lines[0].split() == ["parameter", "mse", "aux"]
+    assert [line.split()[0] for line in lines if line.endswith("0 (none)")] == names[2:]  # aux reaches layers.0's only
+    with pytest.raises(TypeError, match=r"^jaxtrace\.filter_jacrev: param_stats=True .* stats= is None"):
+        jt.filter_jacrev(losses, param_stats=True)
 
 
 def test_filter_jacrev_has_aux_tags_and_errors():

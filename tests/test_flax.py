@@ -318,6 +318,24 @@ def test_flax_jacrev_against_eps(jit):
         for term in expected:
             np.testing.assert_allclose(table[name][term]["norm"], np.linalg.norm(np.ravel(expected[term][name])), rtol=1e-12)
     assert jt.stats.format_paths(table).splitlines()[2].endswith("0 (none)")  # aux does not reach l2
+    # param_stats=True: the parameters' table, named by their paths without the Variable's ".value".
+    params_fun = jaxtrace.flax.jacrev(losses, stats="norm", param_stats=True)
+    params_table, _ = (nnx.jit(params_fun) if jit else params_fun)(tagged, X)
+    expected_params = {}
+    for term in expected_jac:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(expected_jac[term])[0]:
+            name = ".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path if getattr(k, "name", None) != "value")
+            expected_params.setdefault(name, {})[term] = np.linalg.norm(np.ravel(leaf))
+    assert sorted(params_table) == sorted(expected_params) == ["l1.bias", "l1.kernel", "l2.bias", "l2.kernel"]
+    for name, per_term in expected_params.items():
+        assert list(params_table[name]) == ["main", "aux"]
+        for term, norm in per_term.items():
+            np.testing.assert_allclose(params_table[name][term]["norm"], norm, rtol=1e-12)
+    lines = jt.stats.format_paths(params_table, header="parameter").splitlines()
+    assert lines[0].split() == ["parameter", "main", "aux"]
+    assert [line.split()[0] for line in lines if line.endswith("0 (none)")] == ["l2.bias", "l2.kernel"]  # aux reaches l1 only
+    with pytest.raises(TypeError, match=r"^jaxtrace\.flax\.jacrev: param_stats=True .* stats= is None\. Pass stats=\"norm\""):
+        jaxtrace.flax.jacrev(losses, param_stats=True)
 
 
 @pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")  # nnx.BatchNorm keeps float32 stats

@@ -58,6 +58,18 @@ def test_capture_keeps_static_arguments():
     assert_trees_close(values, {"x0": 2 * jnp.ones(2), "x1": 4 * jnp.ones(2), "x2": 8 * jnp.ones(2)})
 
 
+def test_capture_without_tags_says_so_where_a_name_is_read(maybe_jit):
+    """Issue 50.8: capture of an untagged model gave {} and the next line a bare KeyError."""
+    out, values = maybe_jit(jt.capture(lambda x: jnp.tanh(2.0 * x)))(jnp.ones(2))
+    assert values == {} and not jax.tree_util.tree_leaves(values)
+    with pytest.raises(KeyError, match=r"^jaxtrace\.capture found no tags in the function it ran, so it has nothing named 'layers\.0'\. .*jt\.tag_modules\(model\)") as caught:
+        values["layers.0"]
+    assert isinstance(caught.value, jt.TagError)
+    # A function with tags, none of them selected, is no such case: a plain dict, as before.
+    _, none_selected = maybe_jit(jt.capture(lambda x: jt.tag(x, "h"), tags=lambda name: False))(jnp.ones(2))
+    assert type(none_selected) is dict and none_selected == {}
+
+
 def test_capture_cond_branch_not_taken_gives_zeros(maybe_jit):
     def f(x, pred):
         return lax.cond(pred, lambda v: jt.tag(v * 2.0, "yes"), lambda v: jt.tag(v - 1.0, "no"), x)

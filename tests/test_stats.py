@@ -482,6 +482,28 @@ def test_stats_jacrev_is_the_per_term_summary_in_the_loss_own_order(maybe_jit):
     assert aux == 1.0 and list(with_aux["h"]) == ["vec", "main", "aux"]
 
 
+def test_stats_jacrev_param_stats_is_the_parameters_table(maybe_jit):
+    """param_stats=True: each parameter's Jacobian reduced per term, named by its path, zeros where no path."""
+    xs = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
+    params = {"w": jnp.array([[0.5, -1.0], [2.0, 0.3]]), "head": {"b": jnp.array([0.1, 0.2])}, "unused": jnp.ones(3)}
+
+    def fun(p, xs):  # terms built in non-alphabetical order
+        h = jt.tag(jnp.tanh(xs @ p["w"]), "h")
+        return {"main": jnp.sum((h + p["head"]["b"]) ** 2), "aux": jnp.mean(h**2)}
+
+    jac, _ = maybe_jit(jt.stats.jacrev(fun, stats=("norm", "max_abs"), param_stats=True))(params, xs)
+    full = jax.jacrev(fun)(params, xs)
+    assert list(jac) == ["head.b", "unused", "w"]  # the parameters' leaves in their order (dict keys sorted)
+    for name, get in (("head.b", lambda t: t["head"]["b"]), ("unused", lambda t: t["unused"]), ("w", lambda t: t["w"])):
+        assert list(jac[name]) == ["main", "aux"]
+        for term in ("main", "aux"):
+            np.testing.assert_allclose(jac[name][term]["norm"], np.linalg.norm(np.ravel(get(full[term]))), rtol=1e-12)
+            np.testing.assert_allclose(jac[name][term]["max_abs"], np.max(np.abs(get(full[term]))), rtol=1e-12)
+    text = stats.format_paths(jac, header="parameter").splitlines()
+    assert text[0].split() == ["parameter", "main", "aux"]
+    assert text[1].endswith("0 (none)") and text[2].split()[1:] == ["0", "(none)", "0", "(none)"]  # aux misses head.b; nothing reaches unused
+
+
 def test_summarize_terms_structure_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="structure of terms="):
         stats.summarize({"h": {"a": jnp.ones(2)}}, terms={"b": 1.0, "c": 2.0})

@@ -20,7 +20,8 @@ nothing has to be initialised, declared in ``variable_axes`` of ``nn.scan`` or
 ``nn.scan`` / ``nnx.scan`` the tags are stacked per step, inside ``nn.vmap``
 per example, as ``jaxtrace.tag`` in ``lax.scan`` / ``jax.vmap`` are.
 
-Needs Flax (``pip install flax``); ``import jaxtrace`` never imports it.
+Needs Flax (``pip install flax``, or ``pip install -e ".[flax]"`` in a jaxtrace
+checkout); ``import jaxtrace`` never imports it.
 
 Example (NNX):
     >>> import jax, jax.numpy as jnp, jaxtrace as jt
@@ -37,8 +38,9 @@ try:
     import flax.nnx  # noqa: F401
 except ImportError as _error:  # pragma: no cover - exercised where flax is not installed
     raise ImportError(
-        "jaxtrace.flax needs Flax, which is not installed: `pip install flax` "
-        '(or `pip install "jaxtrace[flax]"`).'
+        "jaxtrace.flax needs Flax, which is not installed. Install it with `pip install flax`, or with "
+        '`pip install -e ".[flax]"` run in the root of your jaxtrace checkout (jaxtrace is installed from '
+        'its checkout; the package index has no "jaxtrace[flax]").'
     ) from _error
 
 from ._linen import tag_modules as tag_modules

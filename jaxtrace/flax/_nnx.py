@@ -114,11 +114,13 @@ def named_modules(model: nnx.Module) -> list:
     return out
 
 
-def tag_modules(model: nnx.Module, where: Where = None, *, inputs: bool = False, params_of=None, scope=None) -> nnx.Module:
+def tag_modules(
+    model: nnx.Module, where: Where = None, *, inputs: bool = False, params_of=None, scope=None, api: str = "jaxtrace.tag_modules"
+) -> nnx.Module:
     """The Flax NNX case of ``jaxtrace.tag_modules``; see its docstring (``params_of``: see
     ``jaxtrace._tag_modules.tag_module_calls``)."""
     named = [(name, path, m) for name, path, m in named_modules(model) if is_callable_module(m)]
-    chosen = choose([(name, m) for name, _, m in named], where, "jaxtrace.tag_modules")
+    chosen = choose([(name, m) for name, _, m in named], where, api)
     paths = {name: path for name, path, _ in named}
     tagged = nnx.clone(model)
     nodes = dict(nnx.iter_graph(tagged))

@@ -171,6 +171,7 @@ def jacrev(
     tags: TagSelection = None,
     wrt: Any = nnx.Param,
     stats: Any = None,
+    param_stats: bool = False,
 ) -> Callable:
     """``jaxtrace.jacrev`` for an NNX model (first argument), differentiated as ``nnx.grad`` does.
 
@@ -186,6 +187,9 @@ def jacrev(
         wrt: which variables to differentiate, as in ``nnx.grad``.
         stats: ``None`` for the full Jacobians; ``True`` or statistic names
             (``"norm"``) for the table of ``jaxtrace.stats.jacrev``.
+        param_stats: with ``stats=``, reduce ``jac`` too: the table
+            ``{parameter: {term: {stat: array}}}`` in its place (parameters named
+            by dotted paths, ``"0.kernel"``): which loss term reaches which parameter.
 
     Returns:
         A function that returns ``(jac, tag_jacs)``, or with ``has_aux``
@@ -212,10 +216,11 @@ def jacrev(
     check_callable(fun, "jaxtrace.flax.jacrev")
     aux_wanted = bool(has_aux)
     names = _stats_option.stat_names(stats)
+    param_stats = _stats_option.check_param_stats(param_stats, names, "jaxtrace.flax.jacrev")
 
     def jacrev_fun(model, *args, **kwargs):
         split_fun, diff, rest = _split_model(fun, model, wrt, aux_wanted, "jacrev")
-        transform = _stats_option.jacrev(split_fun, 0, has_aux=True, tags=tags, stats=names)
+        transform = _stats_option.jacrev(split_fun, 0, has_aux=True, tags=tags, stats=names, param_stats=param_stats)
         result, (aux, new_rest) = transform(diff, rest, *args, **kwargs)
         nnx.update(model, new_rest)
         return (result, aux) if aux_wanted else result
