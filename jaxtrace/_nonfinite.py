@@ -48,8 +48,9 @@ def find_nonfinite(
 
     Tag the places to watch with ``jt.tag``, or every module of an equinox or Flax NNX model with
     ``jt.tag_modules``. The gradient is taken with respect to the inexact (floating) array leaves of
-    the arguments in ``argnums``; other leaves (integers, functions, an equinox model's static
-    parts) are held fixed, as ``eqx.filter_grad`` does, so a whole equinox model can be passed.
+    the arguments in ``argnums``; other leaves (integers, Python numbers, functions, an equinox
+    model's static parts) are held fixed and passed as they are, as ``eqx.filter_grad`` does, so a
+    whole equinox model can be passed (a ``Dropout(0.0)`` keeps its Python ``p``).
 
     Args:
         fun: a function returning a scalar (with ``has_aux``, ``(scalar, aux)``); it calls
