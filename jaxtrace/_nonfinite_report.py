@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from . import _compat
-from ._nonfinite_order import entry_order
+from ._nonfinite_order import entry_order, step_order
 from ._sites import Site
 
 __all__ = ["NONE", "NonfiniteAt", "NonfiniteReport", "ReportMeta", "TagInfo", "source"]
@@ -73,7 +73,9 @@ class NonfiniteAt:
         kind: ``"NaN"`` or ``"inf"``.
         steps: the loop part of ``index``.
         examples: the vmap part of ``index``.
-        loop_kinds: ``"scan step"`` or ``"call"`` (repeated calls) for each entry of ``steps``.
+        loop_kinds: ``"scan step"``, ``"reverse scan step"`` (a ``lax.scan(..., reverse=True)``,
+            which computes its last index first) or ``"call"`` (repeated calls) for each entry of
+            ``steps``.
     """
 
     name: str
@@ -155,11 +157,12 @@ class NonfiniteReport:
             if code == NONE:
                 continue
             flat, inf = divmod(int(code), 2)
-            shape = (*tag.loops, *tag.examples)
-            index = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
-            steps, examples = index[: len(tag.loops)], index[len(tag.loops) :]
-            if backward:  # the loop axes were reversed on the device
-                steps = tuple(n - 1 - s for n, s in zip(tag.loops, steps))
+            order = step_order(tag.template, tag.loops)
+            position, example = divmod(flat, math.prod(tag.examples))
+            if backward:  # the device counted the positions from the last
+                position = order.size - 1 - position
+            steps = order.steps(position)
+            examples = tuple(int(i) for i in np.unravel_index(example, tag.examples)) if tag.examples else ()
             key, kinds = entry_order(tag.template, steps)
             kind = "inf" if inf else "NaN"
             found.append((key, NonfiniteAt(tag.name, (*steps, *examples), tag.source, kind, steps, examples, kinds)))
@@ -185,24 +188,24 @@ class NonfiniteReport:
         target, _ = entry_order(self._tag(at.name).template, at.steps)
         best = None
         for tag in self._meta.tags:
-            size = math.prod(tag.loops)
-            steps_of = lambda flat: tuple(int(i) for i in np.unravel_index(flat, tag.loops)) if tag.loops else ()  # noqa: E731,B023
-            # Entries of one tag are in program order by their flat loop index: a binary search for
-            # the first entry not before (or not at or before) ``at``.
-            lo, hi = 0, size
+            order = step_order(tag.template, tag.loops)
+            # A binary search over the entries of one tag, numbered in program order, for the first
+            # not before (or not at or before) ``at``.
+            lo, hi = 0, order.size
             while lo < hi:
                 mid = (lo + hi) // 2
-                key = entry_order(tag.template, steps_of(mid))[0]
+                key = entry_order(tag.template, order.steps(mid))[0]
                 if key < target or (not before and key == target):
                     lo = mid + 1
                 else:
                     hi = mid
-            flat = lo - 1 if before else lo
-            if not 0 <= flat < size:
+            position = lo - 1 if before else lo
+            if not 0 <= position < order.size:
                 continue
-            key, kinds = entry_order(tag.template, steps_of(flat))
+            steps = order.steps(position)
+            key, kinds = entry_order(tag.template, steps)
             if best is None or (key > best[0] if before else key < best[0]):
-                best = (key, NonfiniteAt(tag.name, steps_of(flat), tag.source, "", steps_of(flat), (), kinds))
+                best = (key, NonfiniteAt(tag.name, steps, tag.source, "", steps, (), kinds))
         return None if best is None else best[1]
 
     def _tag(self, name: str) -> TagInfo:

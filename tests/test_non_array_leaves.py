@@ -145,7 +145,8 @@ def test_a_python_number_in_a_model_stays_one_in_every_entry_point(wrap):
     assert_trees_close(wrap(jt.patch(dropout_loss, {"1": lambda v: v}))(model, X), loss)
     assert_trees_close(wrap(jt.patch_grad(dropout_loss, {"1": lambda g: g}))(model, X), loss)
     value, (g, tg) = wrap(jt.filter_value_and_grad(dropout_loss, tags=["0", "1"]))(model, X)
-    assert_trees_close((value, g.layers[0].weight, g.layers[0].bias, tg), (loss, grads.layers[0].weight, grads.layers[0].bias, tag_grads))
+    linear, want = g.layers[0], grads.layers[0]
+    assert_trees_close((value, linear.weight, linear.bias, tg), (loss, want.weight, want.bias, tag_grads))
     assert g.layers[1].p is None  # the Python float is not differentiated, as eqx.filter_grad gives it
     _, (_, stats) = wrap(jt.filter_value_and_grad(dropout_loss, tags=["0", "1"], stats=True))(model, X)
     assert_trees_close(stats["1"]["norm"], jnp.linalg.norm(tag_grads["1"]))

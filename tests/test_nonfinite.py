@@ -463,3 +463,173 @@ def test_a_vmap_around_it_is_an_error_not_a_mixed_up_report():
         report.first_value
     with pytest.raises(TypeError, match="read on the host"):
         jax.jit(lambda x: jt.find_nonfinite(loss)(x).first_value)(jnp.ones(2))
+
+
+# --- reverse scans: reported in the order the program computes them (issue 50, item 3) -------------
+
+
+def program_order(program, params, *args):
+    """The names the (unrolled) ``program`` gives its marks, in the order it calls them."""
+    names = []
+
+    def record(value, name):
+        names.append(name)
+        return value
+
+    jax.eval_shape(lambda p: program(p, *args, record), params)
+    return names
+
+
+def first_in_order(order, values, examples=0):
+    """``(name, entry, example)`` of the first name in ``order`` whose value has a non-finite entry,
+    and the first example (of the ``examples`` leading axes of its value) that has one."""
+    for name in order:
+        bad = ~np.isfinite(np.asarray(values[name], np.float64))
+        if bad.any():
+            per_example = bad.reshape(*bad.shape[:examples], -1).any(-1)
+            return name, tuple(int(i) for i in np.argwhere(per_example)[0]) if examples else ()
+    return None
+
+
+S, OBS = 3, [0, 1, 0, 2, 1, 0, 1]  # symbol 2 is never emitted: the observation at position 3 is impossible
+
+
+def hmm_params(dtype):
+    A = jnp.asarray([[0.8, 0.1, 0.1], [0.2, 0.7, 0.1], [0.3, 0.3, 0.4]], dtype)
+    B = jnp.asarray([[0.6, 0.4, 0.0], [0.5, 0.5, 0.0], [0.1, 0.9, 0.0]], dtype)
+    return {"A": A, "B": B, "pi": jnp.full((S,), 1.0 / S, dtype)}
+
+
+def hmm_log_likelihood(params, obs, t):
+    """The backward recursion of an HMM in log space: beta_k from beta_{k+1} and the observation at k+1."""
+    log_A, log_B = jnp.log(params["A"]), jnp.log(params["B"])
+
+    def backward(beta, o):
+        emit = t(log_B[:, o] + beta, "emit")
+        beta = t(jax.nn.logsumexp(log_A + emit[None, :], axis=1), "beta")
+        return beta, None
+
+    beta0, _ = jax.lax.scan(backward, jnp.zeros(S, log_A.dtype), obs[1:], reverse=True)
+    return jax.nn.logsumexp(jnp.log(params["pi"]) + log_B[:, obs[0]] + beta0)
+
+
+def hmm_unrolled(params, obs, t):
+    """The oracle's version: a Python loop from the last step down, the tags named per step."""
+    log_A, log_B = jnp.log(params["A"]), jnp.log(params["B"])
+    beta = jnp.zeros(S, log_A.dtype)
+    for k in reversed(range(len(OBS) - 1)):
+        emit = t(log_B[:, obs[k + 1]] + beta, ("emit", k))
+        beta = t(jax.nn.logsumexp(log_A + emit[None, :], axis=1), ("beta", k))
+    return jax.nn.logsumexp(jnp.log(params["pi"]) + log_B[:, obs[0]] + beta)
+
+
+def test_hmm_backward_recursion_in_a_reverse_scan(maybe_jit, dtype):
+    params, obs = hmm_params(dtype), jnp.asarray(OBS)
+    report = maybe_jit(jt.find_nonfinite(tagged(hmm_log_likelihood)))(params, obs)
+    values, g_eps, _ = oracle(hmm_unrolled, params, obs)
+    order = program_order(hmm_unrolled, params, obs)
+    assert order[:4] == [("emit", 5), ("beta", 5), ("emit", 4), ("beta", 4)]  # the scan runs from its last index
+    (name, k), _ = first_in_order(order, values)
+    assert (name, k) == ("emit", 2)  # obs[3] is impossible: -inf from step 2 down to 0, finite above
+    at = report.first_value
+    assert (at.name, at.steps, at.kind, at.loop_kinds) == ("emit", (2,), "inf", ("reverse scan step",))
+    assert_nonfinite_at({"emit": np.stack([values[("emit", i)] for i in range(6)])}, at, "inf")
+    line = line_of(hmm_log_likelihood, '"emit"')
+    assert (
+        f"The values are finite up to 'beta' (reverse scan step 3) and not at 'emit' ({HERE}:{line}), "
+        "reverse scan step 2: the inf begins in the code between them." in str(report)
+    )
+    (name, k), _ = first_in_order(order[::-1], g_eps)  # the backward pass runs the other way
+    g = report.first_gradient
+    assert (g.name, g.steps) == (name, (k,)) == ("beta", (0,))
+    assert_nonfinite_at({"beta": np.stack([g_eps[("beta", i)] for i in range(6)])}, g, g.kind)
+    assert not np.isfinite(float(report.value))
+
+
+def returns_per_episode(params, rewards, t):
+    """Outer scan over episodes, vmap over a batch, an inner reverse scan for the discounted returns."""
+
+    def episode(total, batch):
+        def one(r):
+            def discount(g, r_k):
+                g = t(r_k * params["scale"] + params["gamma"] * g, "return")
+                return g, t(jnp.log(g), "log_return")  # log of a return <= 0
+
+            _, logs = jax.lax.scan(discount, jnp.zeros((), r.dtype), r, reverse=True)
+            return jnp.sum(logs)
+
+        return total + jnp.sum(jax.vmap(one)(batch)), None
+
+    total, _ = jax.lax.scan(episode, jnp.zeros((), rewards.dtype), rewards)
+    return total
+
+
+def returns_unrolled(params, rewards, t):
+    """The oracle's version: episodes and steps in Python loops (steps from the last), the batch as a vector."""
+    total = jnp.zeros((), rewards.dtype)
+    for e in range(rewards.shape[0]):
+        g = jnp.zeros(rewards.shape[1], rewards.dtype)
+        for k in reversed(range(rewards.shape[2])):
+            g = t(rewards[e, :, k] * params["scale"] + params["gamma"] * g, ("return", e, k))
+            total = total + jnp.sum(t(jnp.log(g), ("log_return", e, k)))
+    return total
+
+
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
+def test_nested_loop_with_an_inner_reverse_scan(maybe_jit, dtype):
+    rewards = jnp.ones((3, 2, 6), dtype)
+    rewards = rewards.at[1, 0, :2].set(jnp.asarray([5.0, -3.0], dtype))  # episode 1, example 0: negative at step 1
+    rewards = rewards.at[1, 1, 3].set(-0.75)  # example 1: the return at step 3 is 0 exactly (-0.75 + 0.5 * 1.5)
+    params = {"scale": jnp.asarray(1.0, dtype), "gamma": jnp.asarray(0.5, dtype)}
+    report = maybe_jit(jt.find_nonfinite(tagged(returns_per_episode)))(params, rewards)
+    values, g_eps, g_params = oracle(returns_unrolled, params, rewards)
+    order = program_order(returns_unrolled, params, rewards)
+    first = first_in_order(order, values, examples=1)
+    assert first == (("log_return", 1, 3), (1,))  # step 3 runs before step 1: log(0) before log(-2.06)
+    at = report.first_value
+    assert (at.name, at.steps, at.examples, at.kind) == ("log_return", (1, 3), (1,), "inf")
+    assert at.loop_kinds == ("scan step", "reverse scan step")
+    line = line_of(returns_per_episode, '"log_return"')
+    assert (
+        f"The values are finite up to 'return' and not at 'log_return' ({HERE}:{line}), scan step 1, "
+        "reverse scan step 3, example 1: the inf begins in the code between them." in str(report)
+    )
+    # The backward pass: episode 2, then episode 1 from step 0 up; 1/g is finite for g < 0, inf at g = 0.
+    first = first_in_order(order[::-1], g_eps, examples=1)
+    assert first == (("return", 1, 3), (1,))
+    g = report.first_gradient
+    assert (g.name, g.steps, g.examples, g.kind) == ("return", (1, 3), (1,), "inf")
+    assert sorted(report.params) == sorted(n for n in params if not np.isfinite(g_params[n]))
+
+
+def two_scans(w, xs, t):
+    """One repeated tag in a forward scan, then in a reversed one: its call axis runs up, its step
+    axis up in call 0 and down in call 1."""
+
+    def step(h, x):
+        h = t(jnp.log(h * x * w), "a")
+        return h + 2.0, None
+
+    h, _ = jax.lax.scan(step, jnp.ones((), xs.dtype), xs[0])
+    h, _ = jax.lax.scan(step, h, xs[1], reverse=True)
+    return h
+
+
+def two_scans_unrolled(w, xs, t):
+    h = jnp.ones((), xs.dtype)
+    for call, steps in ((0, range(4)), (1, reversed(range(4)))):
+        for k in steps:
+            h = t(jnp.log(h * xs[call, k] * w), ("a", call, k)) + 2.0
+    return h
+
+
+def test_a_repeated_tag_in_a_forward_and_a_reversed_scan(maybe_jit):
+    xs = jnp.ones((2, 4)).at[1, 0].set(-1.0).at[1, 2].set(-1.0)
+    report = maybe_jit(jt.find_nonfinite(tagged(lambda w, xs, t: two_scans(w, xs, lambda v, n: t(v, n, repeated=True)))))(1.0, xs)
+    values, g_eps, _ = oracle(two_scans_unrolled, 1.0, xs)
+    order = program_order(two_scans_unrolled, 1.0, xs)
+    assert first_in_order(order, values) == (("a", 1, 2), ())
+    assert first_in_order(order[::-1], g_eps) == (("a", 1, 1), ())  # the last step's own gradient is 1
+    at, g = report.first_value, report.first_gradient
+    assert (at.steps, at.loop_kinds, g.steps) == ((1, 2), ("call", "reverse scan step"), (1, 1))
+    assert "finite up to 'a' (call 1, reverse scan step 3) and not at 'a'" in str(report)
