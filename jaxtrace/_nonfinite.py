@@ -45,7 +45,8 @@ def find_nonfinite(
     program to the position of its first non-finite entry (no arrays leave it). On the host,
     ``report.first_value`` is the first tag the program computes with a non-finite value,
     ``report.first_gradient`` the first the backward pass computes with a non-finite gradient, each
-    with its loop step and vmapped example; ``str(report)`` says between which tags it began.
+    with its loop step and vmapped example; ``report.nonfinite_params`` the differentiated leaves
+    that are already not finite (an earlier update made them); ``str(report)`` says where it began.
 
     Tag the places to watch with ``jt.tag``, or every module of an equinox or Flax NNX model with
     ``jt.tag_modules``. The gradient is taken with respect to the inexact (floating) array leaves of
@@ -101,9 +102,20 @@ def find_nonfinite(
         infos, value_codes, gradient_codes = _tag_codes(split, values, g_eps)
         # Paths inside the argument with one argnum (as its gradient's), else from the tuple of arguments.
         chosen = [_param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]
-        meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux))
+        sizes = tuple(int(jnp.size(leaf)) for leaf in diff)
+        meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux), sizes)
         param_bad = [~jnp.all(jnp.isfinite(g)) for g in g_diff]
-        return NonfiniteReport(value, aux, _stacked(value_codes), _stacked(gradient_codes), _stacked(param_bad, bool), meta)
+        # The parameters themselves: a NaN that an earlier update wrote shows here, not at a tag.
+        param_counts = [jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in diff]
+        return NonfiniteReport(
+            value,
+            aux,
+            _stacked(value_codes),
+            _stacked(gradient_codes),
+            _stacked(param_bad, bool),
+            _stacked(param_counts),
+            meta,
+        )
 
     return report_fun
 

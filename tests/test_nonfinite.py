@@ -385,6 +385,8 @@ def test_flax_nnx_model_tagged_with_tag_modules(maybe_jit, dtype):
     h = jnp.tanh(jnp.ones((4, 2), dtype) @ model.layers[0].kernel[...] + model.layers[0].bias[...])
     assert np.all(np.isfinite(h)) and np.all(np.isnan(h @ model.layers[2].kernel[...]))
     assert report.params == ["layers.0.bias", "layers.0.kernel"]  # the NaN kernel's own gradient is finite
+    assert report.nonfinite_params == {"layers.2.kernel": 1}  # the weight itself: named, with its count
+    assert "before this call: 'layers.2.kernel' (1 of 3). An earlier update made them" in str(report)
     g = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.ones((4, 2), dtype))))(params)
     assert not np.all(np.isfinite(g["layers"][0]["kernel"][...])) and np.all(np.isfinite(g["layers"][2]["kernel"][...]))
 
@@ -633,3 +635,118 @@ def test_a_repeated_tag_in_a_forward_and_a_reversed_scan(maybe_jit):
     at, g = report.first_value, report.first_gradient
     assert (at.steps, at.loop_kinds, g.steps) == ((1, 2), ("call", "reverse scan step"), (1, 1))
     assert "finite up to 'a' (call 1, reverse scan step 3) and not at 'a'" in str(report)
+
+
+# --- a training loop: step k's update makes the NaN that step k+1's loss shows (issue 50, item 2) ---
+
+
+def contrastive_loss(model, a, b, same, margin=1.0):
+    """Pairs (a[i], b[i]) pulled together when ``same``, else pushed apart to ``margin``."""
+    emb = jax.vmap(model)(jnp.concatenate([a, b]))
+    ea, eb = jnp.split(emb, 2)
+    d = jax.vmap(jnp.linalg.norm)(ea - eb)  # its gradient at d = 0 is NaN (sqrt at 0): a duplicated pair
+    return jnp.mean(jnp.where(same, d**2, jnp.maximum(margin - d, 0.0) ** 2))
+
+
+def contrastive_by_hand(w, a, b, same, t, margin=1.0):
+    """The oracle's version: eqx.nn.MLP(4, 3, 8, 2) written out, ``t`` at each layer's output and the model's."""
+    h = jnp.concatenate([a, b])
+    for i in range(3):
+        h = t(h @ w[f"W{i}"].T + w[f"b{i}"], f"layers.{i}")
+        h = jax.nn.relu(h) if i < 2 else h
+    ea, eb = jnp.split(t(h, ""), 2)
+    d = jnp.sqrt(jnp.sum((ea - eb) ** 2, axis=1))
+    return jnp.mean(jnp.where(same, d**2, jnp.maximum(margin - d, 0.0) ** 2))
+
+
+def weights_of(model):
+    return {f"{kind}{i}": getattr(layer, attr) for i, layer in enumerate(model.layers) for kind, attr in (("W", "weight"), ("b", "bias"))}
+
+
+def pair_batches(n=8, bad=5):
+    """Random pairs; in batch ``bad`` the positive pair 2 is one input twice (a duplicate in the data)."""
+    for step in range(n):
+        ka, kb = jax.random.split(jax.random.key(step))
+        a, b = jax.random.normal(ka, (6, 4)), jax.random.normal(kb, (6, 4))
+        yield a, (b.at[2].set(a[2]) if step == bad else b), jnp.arange(6) % 2 == 0
+
+
+def all_finite(*trees):
+    """One flag: every floating entry of ``trees`` is finite (XLA fuses the checks into the step)."""
+    leaves = jax.tree_util.tree_leaves(eqx.filter(trees, eqx.is_inexact_array))
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def train(guard: bool):
+    """An equinox + optax loop, as users write it; with ``guard``, a step whose loss or gradients are
+    not finite keeps the state it was given and the loop stops there."""
+    import optax
+
+    model = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.key(0))
+    optimizer = optax.adam(1e-2)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def train_step(model, opt_state, a, b, same):
+        loss, grads = eqx.filter_value_and_grad(contrastive_loss)(model, a, b, same)
+        updates, new_opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        new_model = eqx.apply_updates(model, updates)
+        if not guard:
+            return new_model, new_opt_state, loss, jnp.isfinite(loss)
+        finite = all_finite(loss, grads)
+        keep = lambda new, old: jnp.where(finite, new, old) if eqx.is_array(new) else new  # noqa: E731
+        model, opt_state = jax.tree_util.tree_map(keep, (new_model, new_opt_state), (model, opt_state))
+        return model, opt_state, loss, finite
+
+    states, losses = [model], []
+    for step, batch in enumerate(pair_batches()):
+        model, opt_state, loss, finite = train_step(model, opt_state, *batch)
+        states.append(model)
+        losses.append(float(loss))
+        if not finite:
+            return step, batch, states, losses
+    raise AssertionError("the loop never met a non-finite step")
+
+
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
+def test_a_training_loop_whose_first_bad_step_has_a_finite_loss(maybe_jit):
+    pytest.importorskip("optax")
+    jit = eqx.filter_jit if maybe_jit is jax.jit else maybe_jit
+    batches = list(pair_batches())
+
+    # Oracle: step 5's loss is finite and its gradients are not; its update breaks the weights.
+    step, batch, states, losses = train(guard=False)
+    assert step == 6 and np.isnan(losses[6]) and all(np.isfinite(losses[:6]))
+    value, grads = jax.value_and_grad(lambda w: contrastive_by_hand(w, *batches[5], lambda v, n: v))(weights_of(states[5]))
+    assert np.isfinite(value) and not all(np.all(np.isfinite(g)) for g in grads.values())
+
+    # Without a guard: at step 6 the weights are already NaN; the report says so first.
+    report = jit(jt.find_nonfinite(contrastive_loss))(jt.tag_modules(states[6]), *batch)
+    broken = {
+        f"layers.{i}.{attr}": int(np.sum(~np.isfinite(getattr(layer, attr))))
+        for i, layer in enumerate(states[6].layers)
+        for attr in ("weight", "bias")
+    }
+    assert report.nonfinite_params == {p: n for p, n in broken.items() if n}
+    text = str(report)
+    assert f"The parameters already hold non-finite entries before this call: 'layers.0.weight' ({broken['layers.0.weight']} of 32)" in text
+    assert "An earlier update made them" in text
+    assert "the NaN comes from those parameters, the inputs or from the code before that tag" in text
+
+    # With the guard: the loop stops at step 5 (loss finite) and keeps the state before it.
+    step, batch, states_guarded, losses_guarded = train(guard=True)
+    assert step == 5 and np.isfinite(losses_guarded[5]) and losses_guarded == pytest.approx(losses[:6])
+    kept = states_guarded[-1]
+    for got, want in zip(jax.tree_util.tree_leaves(weights_of(kept)), jax.tree_util.tree_leaves(weights_of(states[5]))):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    report = jit(jt.find_nonfinite(contrastive_loss))(jt.tag_modules(kept), *batch)
+    values, g_eps, g_w = oracle(contrastive_by_hand, weights_of(kept), *batch)
+    order = program_order(contrastive_by_hand, weights_of(kept), *batch)
+    assert order == report.names == ["layers.0", "layers.1", "layers.2", ""]
+    assert first_in_order(order, values, examples=1) is None and report.first_value is None
+    assert report.nonfinite_params == {}
+    name, example = first_in_order(order[::-1], g_eps, examples=1)
+    g = report.first_gradient
+    assert (g.name, g.examples, g.kind) == (name, example, "NaN") == ("", (2,), "NaN")  # pair 2, the duplicate
+    bad = {f"layers.{k[1]}.{'weight' if k[0] == 'W' else 'bias'}" for k, v in g_w.items() if not np.all(np.isfinite(v))}
+    assert set(report.params) == bad
