@@ -46,7 +46,7 @@ def find_nonfinite(
     ``report.first_value`` is the first tag the program computes with a non-finite value,
     ``report.first_gradient`` the first the backward pass computes with a non-finite gradient, each
     with its loop step and vmapped example; ``report.nonfinite_params`` the differentiated leaves
-    that are already not finite (an earlier update made them); ``str(report)`` says where it began.
+    already not finite (in parameters, an earlier update made them); ``str(report)`` says where.
 
     Tag the places to watch with ``jt.tag``, or every module of an equinox or Flax NNX model with
     ``jt.tag_modules``. The gradient is taken with respect to the inexact (floating) array leaves of

@@ -238,7 +238,7 @@ class NonfiniteReport:
         else:
             before = self._neighbour(first, before=True)
             if before is None:
-                origin = "those parameters, the inputs" if broken else "the inputs"
+                origin = "those arguments, the other inputs" if broken else "the inputs"
                 sentences.append(
                     f"The value at {_name(first)}{_at(first)}{first.where()} is {_a(first.kind)}, and it is "
                     f"the first tag the program computes: the {first.kind} comes from {origin} or from the code "
@@ -297,10 +297,10 @@ def _broken_params(broken: dict, sizes: dict) -> str:
     items = list(broken.items())
     shown = ", ".join(one(p, n) for p, n in items[:8]) + (f" and {len(items) - 8} more" if len(items) > 8 else "")
     return (
-        f"The parameters already hold non-finite entries before this call: {shown}. An earlier update made "
-        "them (or the initialisation did), and what follows here comes from them. To find that update, keep "
-        "the last state whose loss and gradients are all finite (one flag in the training step) and call "
-        "find_nonfinite on that state and the batch of the step that broke it."
+        f"The differentiated arguments hold non-finite entries before this call: {shown}. In parameters, an "
+        "earlier update made them (or the initialisation did), and what follows here comes from them. To find "
+        "that update, keep the last state whose loss and gradients are all finite (one flag in the training "
+        "step) and call find_nonfinite on that state and the batch of the step that broke it."
     )
 
 

@@ -362,6 +362,9 @@ def test_the_first_tag_already_nonfinite_and_aux(maybe_jit):
     report = maybe_jit(jt.find_nonfinite(loss, has_aux=True))(jnp.asarray([1.0, jnp.inf]))
     assert (report.first_value.name, report.first_value.kind) == ("h", "inf")
     assert "The value at 'h'" in str(report) and "it is the first tag the program computes" in str(report)
+    assert report.nonfinite_params == {"": 1}  # the differentiated input itself, named as such
+    assert "hold non-finite entries before this call: the argument itself (1 of 2)." in str(report)
+    assert "comes from those arguments, the other inputs or from the code before that tag" in str(report)
     assert report.aux["n"] == jnp.inf
 
 
@@ -386,7 +389,7 @@ def test_flax_nnx_model_tagged_with_tag_modules(maybe_jit, dtype):
     assert np.all(np.isfinite(h)) and np.all(np.isnan(h @ model.layers[2].kernel[...]))
     assert report.params == ["layers.0.bias", "layers.0.kernel"]  # the NaN kernel's own gradient is finite
     assert report.nonfinite_params == {"layers.2.kernel": 1}  # the weight itself: named, with its count
-    assert "before this call: 'layers.2.kernel' (1 of 3). An earlier update made them" in str(report)
+    assert "before this call: 'layers.2.kernel' (1 of 3). In parameters, an earlier update made them" in str(report)
     g = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.ones((4, 2), dtype))))(params)
     assert not np.all(np.isfinite(g["layers"][0]["kernel"][...])) and np.all(np.isfinite(g["layers"][2]["kernel"][...]))
 
@@ -729,9 +732,9 @@ def test_a_training_loop_whose_first_bad_step_has_a_finite_loss(maybe_jit):
     }
     assert report.nonfinite_params == {p: n for p, n in broken.items() if n}
     text = str(report)
-    assert f"The parameters already hold non-finite entries before this call: 'layers.0.weight' ({broken['layers.0.weight']} of 32)" in text
-    assert "An earlier update made them" in text
-    assert "the NaN comes from those parameters, the inputs or from the code before that tag" in text
+    assert f"The differentiated arguments hold non-finite entries before this call: 'layers.0.weight' ({broken['layers.0.weight']} of 32)" in text
+    assert "In parameters, an earlier update made them" in text
+    assert "the NaN comes from those arguments, the other inputs or from the code before that tag" in text
 
     # With the guard: the loop stops at step 5 (loss finite) and keeps the state before it.
     step, batch, states_guarded, losses_guarded = train(guard=True)
