@@ -5,8 +5,8 @@ The function is split at its tags as for ``jaxtrace.value_and_grad(..., with_val
 to one small integer: the first non-finite entry of its loop and vmap axes, in the order the
 program computes them (``_nonfinite_order.StepOrder``: a reversed scan from its last index down;
 the cotangents in the opposite order, which the backward pass computes), and whether it is a NaN
-or an inf. Whole arrays never leave
-the program. On the host, ``NonfiniteReport`` (``_nonfinite_report``) compares those entries
+or an inf; each differentiated leaf to a count of its own non-finite entries. Whole arrays never
+leave the program. On the host, ``NonfiniteReport`` (``_nonfinite_report``) compares those entries
 across tags by where each tag sits in the traced program (``_nonfinite_order``).
 """
 

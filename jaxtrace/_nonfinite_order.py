@@ -107,7 +107,7 @@ def loop_count(template: tuple) -> int:
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepOrder:
     """One site's entries (the loop steps of its stack axes, ``loops``) numbered in the order the
-    program computes them: ``position(steps)`` and its inverse ``steps(position)``.
+    program computes them: ``positions()`` of every entry, and ``steps(position)`` of one.
 
     Each loop axis runs up or down (``flips``) unless its direction changes from one entry of an
     outer axis to the next (repeated calls of one tag in a forward and a reversed scan): then the
@@ -155,7 +155,8 @@ def step_order(template: tuple, loops: tuple) -> StepOrder:
     flips = _flips(template, len(loops))
     if flips is not None or not loops:
         return StepOrder(loops, flips if flips is not None else (), None)
-    keys = [entry_order(template, tuple(int(i) for i in np.unravel_index(flat, loops)))[0] for flat in range(int(np.prod(loops)))]
+    every = np.ndindex(*loops)  # row-major, as the flat index
+    keys = [entry_order(template, tuple(int(i) for i in steps))[0] for steps in every]
     ranks = np.empty(len(keys), np.int64)
     ranks[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys))
     return StepOrder(loops, None, ranks)

@@ -114,8 +114,8 @@ class NonfiniteReport:
             backward pass computes them (the reverse of the forward order).
         params: the paths of the differentiated leaves whose gradient has a non-finite entry.
         nonfinite_params: ``{path: number of non-finite entries}`` of the differentiated leaves
-            that are not finite themselves, before the call: an earlier update (or the
-            initialisation) made them, and what the program computes from them follows.
+            that are not finite themselves, before the call (in parameters, an earlier update or
+            the initialisation made them); what the program computes from them follows.
         names: the tag names, in the order the program first reaches them.
     """
 

@@ -663,7 +663,8 @@ def contrastive_by_hand(w, a, b, same, t, margin=1.0):
 
 
 def weights_of(model):
-    return {f"{kind}{i}": getattr(layer, attr) for i, layer in enumerate(model.layers) for kind, attr in (("W", "weight"), ("b", "bias"))}
+    pairs = (("W", "weight"), ("b", "bias"))
+    return {f"{kind}{i}": getattr(layer, attr) for i, layer in enumerate(model.layers) for kind, attr in pairs}
 
 
 def pair_batches(n=8, bad=5):
@@ -732,7 +733,8 @@ def test_a_training_loop_whose_first_bad_step_has_a_finite_loss(maybe_jit):
     }
     assert report.nonfinite_params == {p: n for p, n in broken.items() if n}
     text = str(report)
-    assert f"The differentiated arguments hold non-finite entries before this call: 'layers.0.weight' ({broken['layers.0.weight']} of 32)" in text
+    first = f"'layers.0.weight' ({broken['layers.0.weight']} of 32)"
+    assert f"The differentiated arguments hold non-finite entries before this call: {first}" in text
     assert "In parameters, an earlier update made them" in text
     assert "the NaN comes from those arguments, the other inputs or from the code before that tag" in text
 
