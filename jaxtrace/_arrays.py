@@ -26,9 +26,8 @@ def is_array_like(leaf) -> bool:
 
 
 def is_inexact_array(leaf) -> bool:
-    """A leaf to differentiate: an inexact array, or a Python float as ``jax.grad`` takes one."""
-    if isinstance(leaf, (float, complex)):
-        return True
+    """A leaf to differentiate, as ``eqx.is_inexact_array`` says: an array of a floating or complex
+    dtype. Python numbers are not: a model's ``Dropout(p=0.0)`` keeps its ``p`` a Python float."""
     return is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
 

@@ -3,9 +3,10 @@
 The function is split at its tags as for ``jaxtrace.value_and_grad(..., with_values=True)``
 (``_ad.split_for_reverse``). Inside the traced function each tag's value and cotangent is reduced
 to one small integer: the first non-finite entry of its loop and vmap axes, in the order the
-program computes them (loop steps ascending for values, descending for cotangents, which the
-backward pass computes in reverse), and whether it is a NaN or an inf. Whole arrays never leave
-the program. On the host, ``NonfiniteReport`` (``_nonfinite_report``) compares those entries
+program computes them (``_nonfinite_order.StepOrder``: a reversed scan from its last index down;
+the cotangents in the opposite order, which the backward pass computes), and whether it is a NaN
+or an inf; each differentiated leaf to a count of its own non-finite entries. Whole arrays never
+leave the program. On the host, ``NonfiniteReport`` (``_nonfinite_report``) compares those entries
 across tags by where each tag sits in the traced program (``_nonfinite_order``).
 """
 
@@ -20,7 +21,7 @@ from jax import lax
 
 from ._ad import split_for_reverse
 from ._arrays import is_inexact_array
-from ._nonfinite_order import loop_count, templates
+from ._nonfinite_order import StepOrder, loop_count, step_order, templates
 from ._nonfinite_report import NONE, NonfiniteReport, ReportMeta, TagInfo, source
 from ._paths import param_path, path_name
 from ._checks import check_callable, normalize_argnums
@@ -44,12 +45,14 @@ def find_nonfinite(
     program to the position of its first non-finite entry (no arrays leave it). On the host,
     ``report.first_value`` is the first tag the program computes with a non-finite value,
     ``report.first_gradient`` the first the backward pass computes with a non-finite gradient, each
-    with its loop step and vmapped example; ``str(report)`` says between which tags it began.
+    with its loop step and vmapped example; ``report.nonfinite_params`` the differentiated leaves
+    already not finite (in parameters, an earlier update made them); ``str(report)`` says where.
 
     Tag the places to watch with ``jt.tag``, or every module of an equinox or Flax NNX model with
     ``jt.tag_modules``. The gradient is taken with respect to the inexact (floating) array leaves of
-    the arguments in ``argnums``; other leaves (integers, functions, an equinox model's static
-    parts) are held fixed, as ``eqx.filter_grad`` does, so a whole equinox model can be passed.
+    the arguments in ``argnums``; other leaves (integers, Python numbers, functions, an equinox
+    model's static parts) are held fixed and passed as they are, as ``eqx.filter_grad`` does, so a
+    whole equinox model can be passed (a ``Dropout(0.0)`` keeps its Python ``p``).
 
     Args:
         fun: a function returning a scalar (with ``has_aux``, ``(scalar, aux)``); it calls
@@ -99,9 +102,20 @@ def find_nonfinite(
         infos, value_codes, gradient_codes = _tag_codes(split, values, g_eps)
         # Paths inside the argument with one argnum (as its gradient's), else from the tuple of arguments.
         chosen = [param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]
-        meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux))
+        sizes = tuple(int(jnp.size(leaf)) for leaf in diff)
+        meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux), sizes)
         param_bad = [~jnp.all(jnp.isfinite(g)) for g in g_diff]
-        return NonfiniteReport(value, aux, _stacked(value_codes), _stacked(gradient_codes), _stacked(param_bad, bool), meta)
+        # The parameters themselves: a NaN that an earlier update wrote shows here, not at a tag.
+        param_counts = [jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in diff]
+        return NonfiniteReport(
+            value,
+            aux,
+            _stacked(value_codes),
+            _stacked(gradient_codes),
+            _stacked(param_bad, bool),
+            _stacked(param_counts),
+            meta,
+        )
 
     return report_fun
 
@@ -122,13 +136,13 @@ def _tag_codes(split, values: dict, g_eps: dict) -> tuple[tuple, list, list]:
         user = first.user_shape()
         template = where.get(first.key, ("tag", -1 - rank))
         for _ in range(loops - loop_count(template)):  # never expected: a loop the walk did not see
-            template = ("loop", -1 - rank, template)
+            template = ("loop", -1 - rank, template, False)
         loop_sizes, example_sizes = tuple(user[:loops]), tuple(user[loops : loops + examples])
         infos.append(TagInfo(name, source(first, first.key in modules), loop_sizes, example_sizes, template))
-        prefix = loops + examples
-        value_codes.append(_first_code([s.to_user(values[s.key]) for s in group if s.key in values], prefix, loops, False))
+        order = step_order(template, loop_sizes)
+        value_codes.append(_first_code([s.to_user(values[s.key]) for s in group if s.key in values], order, examples, False))
         grads = [s.to_user(g_eps[s.key]) for s in group if s.key in g_eps]
-        gradient_codes.append(_first_code(grads, prefix, loops, True))
+        gradient_codes.append(_first_code(grads, order, examples, True))
     return tuple(infos), value_codes, gradient_codes
 
 
@@ -136,15 +150,18 @@ def _stacked(codes: list, dtype=jnp.int32):
     return jnp.stack(codes) if codes else jnp.zeros((0,), dtype)
 
 
-def _first_code(leaves: Sequence, prefix: int, loops: int, backward: bool):
-    """The first non-finite entry of ``leaves`` (one tag, in the documented layout) over the first
-    ``prefix`` axes (loops, then vmap), as ``2 * flat index + is_inf``; ``NONE`` if all are finite.
-    With ``backward`` the loop axes count down.
+def _first_code(leaves: Sequence, order: StepOrder, examples: int, backward: bool):
+    """The first non-finite entry of ``leaves`` (one tag, in the documented layout: loop axes,
+    ``examples`` vmap axes, the value's own) in the order the program computes them, as ``2 *
+    (position * number of examples + flat example) + is_inf``; ``NONE`` if all are finite. The
+    position is ``order``'s, counted from the end with ``backward``.
 
     Each leaf is reduced over its own axes first, as one byte per entry (2: a NaN, 1: an inf, 0:
     finite) and a max, so what XLA writes between the elementwise step and the reduction is a
     quarter of an int32 array; the positions are then found on the small per-prefix array.
     """
+    loops = len(order.loops)
+    prefix = loops + examples
     worst = None
     for leaf in leaves:
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -155,13 +172,14 @@ def _first_code(leaves: Sequence, prefix: int, loops: int, backward: bool):
     if worst is None:
         return jnp.asarray(NONE, jnp.int32)
     shape = worst.shape
-    flat = jnp.zeros(shape, jnp.int32)
+    example = jnp.zeros(shape, jnp.int32)
     stride = 1
-    for axis in reversed(range(prefix)):
-        iota = lax.broadcasted_iota(jnp.int32, shape, axis)
-        if backward and axis < loops:
-            iota = (shape[axis] - 1) - iota
-        flat = flat + iota * stride
+    for axis in reversed(range(loops, prefix)):
+        example = example + lax.broadcasted_iota(jnp.int32, shape, axis) * stride
         stride *= shape[axis]
+    position = order.positions(jnp)
+    if backward:
+        position = (order.size - 1) - position
+    flat = jnp.reshape(position, (*order.loops, *(1,) * examples)) * stride + example
     code = jnp.where(worst == 0, NONE, 2 * flat + (worst == 1).astype(jnp.int32))
     return jnp.min(code, initial=NONE)

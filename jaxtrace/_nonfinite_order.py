@@ -2,20 +2,27 @@
 
 A *template* says where a site's entries sit in the traced program, as nested tuples (static,
 hashable): ("tag", i) the tag equation at position i; ("in", i, t) inside the i-th equation (a
-jit, cond, checkpoint, ...); ("loop", i, t) inside the i-th equation, a scan, whose step is the
-site's next stack axis; ("calls", ((start, stop, span, t), ...)) repeated calls stacked on the
-next stack axis, each call range at its own place. ``entry_order`` turns a template and the loop
-steps of one entry into a tuple that sorts entries in the order the program computes them.
+jit, cond, checkpoint, ...); ("loop", i, t, reverse) inside the i-th equation, a scan, whose step
+is the site's next stack axis (``reverse``: the scan runs from its last index down, as
+``lax.scan(..., reverse=True)``); ("calls", ((start, stop, span, t), ...)) repeated calls stacked
+on the next stack axis, each call range at its own place. ``entry_order`` turns a template and
+the loop steps of one entry into a tuple that sorts entries in the order the program computes
+them; ``StepOrder`` numbers one site's entries in that order (a stacked result is by index: index
+``i`` of a scan is the step that reads ``xs[i]``, which a reversed scan computes ``i``-th from last).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
-from . import _compat
+import numpy as np
+
+from . import _compat, _equation_params, _higher_order
 from ._tag import is_tag
 
-__all__ = ["templates", "entry_order", "loop_count"]
+__all__ = ["StepOrder", "templates", "entry_order", "loop_count", "step_order"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _MODULE_TAGS = os.path.join(_PACKAGE_DIR, "_module_tags.py")  # where jt.tag_modules's tags are made
@@ -42,11 +49,13 @@ def templates(program, jaxpr=None, cache=None, modules=None) -> dict:
                 if any(os.path.abspath(f) == _MODULE_TAGS for f in _compat.frame_files(eqn)):
                     modules.add(key)
             else:
-                for body in _compat.sub_jaxprs(eqn.params):
+                for body in _higher_order.bodies(eqn):
                     inner = templates(program, body, cache, modules).get(key)
                     if inner is not None:
-                        kind = "loop" if eqn.primitive.name in _compat.SCAN else "in"
-                        template = (kind, i, inner)
+                        if _higher_order.kind(eqn) == _higher_order.SCAN:
+                            template = ("loop", i, inner, bool(_equation_params.scan_params(eqn).reverse))
+                        else:
+                            template = ("in", i, inner)
                         break
             occurrences.setdefault(key, []).append((slot, template))
     out = {}
@@ -72,6 +81,8 @@ def entry_order(template: tuple, steps: tuple) -> tuple[tuple, tuple]:
         return (template[1], *key), kinds
     if kind == "loop":
         key, kinds = entry_order(template[2], steps[1:])
+        if template[3]:  # a reversed scan computes its last index first
+            return (template[1], -steps[0], *key), ("reverse scan step", *kinds)
         return (template[1], steps[0], *key), ("scan step", *kinds)
     for start, stop, span, inner in template[1]:
         if start <= steps[0] < stop:
@@ -91,3 +102,80 @@ def loop_count(template: tuple) -> int:
         return 1 + loop_count(template[2])
     start, stop, span, inner = template[1][0]
     return 1 + (loop_count(inner) - 1 if span else loop_count(inner))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepOrder:
+    """One site's entries (the loop steps of its stack axes, ``loops``) numbered in the order the
+    program computes them: ``positions()`` of every entry, and ``steps(position)`` of one.
+
+    Each loop axis runs up or down (``flips``) unless its direction changes from one entry of an
+    outer axis to the next (repeated calls of one tag in a forward and a reversed scan): then the
+    numbering is a table, ``ranks``.
+    """
+
+    loops: tuple
+    flips: tuple | None  # per loop axis: it runs from its last index down
+    ranks: np.ndarray | None  # else: the position of each entry (flat row-major index -> position)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.loops, dtype=np.int64)) if self.loops else 1
+
+    def steps(self, position: int) -> tuple:
+        """The loop steps of the entry the program computes ``position``-th."""
+        if not self.loops:
+            return ()
+        if self.flips is None:
+            flat = int(np.flatnonzero(self.ranks == position)[0])  # pyright: ignore[reportOptionalSubscript]
+            return tuple(int(i) for i in np.unravel_index(flat, self.loops))
+        index = np.unravel_index(position, self.loops)
+        return tuple(int(n - 1 - i) if flip else int(i) for n, i, flip in zip(self.loops, index, self.flips))
+
+    def positions(self, xp=np):
+        """An int32 array of shape ``loops``: each entry's position (``xp``: numpy or jax.numpy; with
+        ``flips`` made from iotas, so nothing of size ``loops`` is a constant of the program)."""
+        if self.flips is None:
+            return xp.asarray(self.ranks.reshape(self.loops).astype(np.int32))  # pyright: ignore[reportOptionalMemberAccess]
+        out = xp.zeros(self.loops, np.int32)
+        stride = 1
+        for axis in reversed(range(len(self.loops))):
+            n = self.loops[axis]
+            iota = xp.arange(n, dtype=np.int32)
+            if self.flips[axis]:
+                iota = (n - 1) - iota
+            out = out + (iota * stride).reshape([n if a == axis else 1 for a in range(len(self.loops))])
+            stride *= n
+        return out
+
+
+@functools.lru_cache(maxsize=512)
+def step_order(template: tuple, loops: tuple) -> StepOrder:
+    """The ``StepOrder`` of a site at ``template`` whose stack axes have sizes ``loops``."""
+    flips = _flips(template, len(loops))
+    if flips is not None or not loops:
+        return StepOrder(loops, flips if flips is not None else (), None)
+    every = np.ndindex(*loops)  # row-major, as the flat index
+    keys = [entry_order(template, tuple(int(i) for i in steps))[0] for steps in every]
+    ranks = np.empty(len(keys), np.int64)
+    ranks[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys))
+    return StepOrder(loops, None, ranks)
+
+
+def _flips(template: tuple, n: int) -> tuple | None:
+    """Per stack axis, whether it runs down; None where one axis runs both ways."""
+    kind = template[0]
+    if kind == "tag":
+        return () if n == 0 else (False,) * n  # axes the walk did not see run up
+    if kind == "in":
+        return _flips(template[2], n)
+    if kind == "loop":
+        inner = _flips(template[2], n - 1)
+        return None if inner is None else (bool(template[3]), *inner)
+    found = set()
+    for _, _, span, inner in template[1]:
+        flips = _flips(inner, n if span else n - 1)
+        if flips is None or (span and flips[0]):
+            return None
+        found.add(flips[1:] if span else flips)
+    return (False, *found.pop()) if len(found) == 1 else None

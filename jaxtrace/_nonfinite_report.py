@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from . import _compat
-from ._nonfinite_order import entry_order
+from ._nonfinite_order import entry_order, step_order
 from ._sites import Site
 
 __all__ = ["NONE", "NonfiniteAt", "NonfiniteReport", "ReportMeta", "TagInfo", "source"]
@@ -56,6 +56,7 @@ class ReportMeta:
     tags: tuple  # TagInfo per name, in the program's order of first reach
     params: tuple  # the path of each differentiated leaf
     has_aux: bool
+    sizes: tuple = ()  # the number of entries of each differentiated leaf
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -73,7 +74,9 @@ class NonfiniteAt:
         kind: ``"NaN"`` or ``"inf"``.
         steps: the loop part of ``index``.
         examples: the vmap part of ``index``.
-        loop_kinds: ``"scan step"`` or ``"call"`` (repeated calls) for each entry of ``steps``.
+        loop_kinds: ``"scan step"``, ``"reverse scan step"`` (a ``lax.scan(..., reverse=True)``,
+            which computes its last index first) or ``"call"`` (repeated calls) for each entry of
+            ``steps``.
     """
 
     name: str
@@ -110,19 +113,24 @@ class NonfiniteReport:
         first_gradient: the same for the gradients (cotangents) at the tags, in the order the
             backward pass computes them (the reverse of the forward order).
         params: the paths of the differentiated leaves whose gradient has a non-finite entry.
+        nonfinite_params: ``{path: number of non-finite entries}`` of the differentiated leaves
+            that are not finite themselves, before the call (in parameters, an earlier update or
+            the initialisation made them); what the program computes from them follows.
         names: the tag names, in the order the program first reaches them.
     """
 
-    def __init__(self, value, aux, value_codes, gradient_codes, param_bad, meta: ReportMeta):
+    def __init__(self, value, aux, value_codes, gradient_codes, param_bad, param_counts, meta: ReportMeta):
         self.value = value
         self.aux = aux
         self._value_codes = value_codes
         self._gradient_codes = gradient_codes
         self._param_bad = param_bad
+        self._param_counts = param_counts
         self._meta = meta
 
     def tree_flatten(self):
-        return (self.value, self.aux, self._value_codes, self._gradient_codes, self._param_bad), self._meta
+        children = (self.value, self.aux, self._value_codes, self._gradient_codes, self._param_bad, self._param_counts)
+        return children, self._meta
 
     @classmethod
     def tree_unflatten(cls, meta, children):
@@ -155,11 +163,12 @@ class NonfiniteReport:
             if code == NONE:
                 continue
             flat, inf = divmod(int(code), 2)
-            shape = (*tag.loops, *tag.examples)
-            index = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
-            steps, examples = index[: len(tag.loops)], index[len(tag.loops) :]
-            if backward:  # the loop axes were reversed on the device
-                steps = tuple(n - 1 - s for n, s in zip(tag.loops, steps))
+            order = step_order(tag.template, tag.loops)
+            position, example = divmod(flat, math.prod(tag.examples))
+            if backward:  # the device counted the positions from the last
+                position = order.size - 1 - position
+            steps = order.steps(position)
+            examples = tuple(int(i) for i in np.unravel_index(example, tag.examples)) if tag.examples else ()
             key, kinds = entry_order(tag.template, steps)
             kind = "inf" if inf else "NaN"
             found.append((key, NonfiniteAt(tag.name, (*steps, *examples), tag.source, kind, steps, examples, kinds)))
@@ -180,29 +189,34 @@ class NonfiniteReport:
         bad = self._codes(self._param_bad)
         return [p for p, b in zip(self._meta.params, bad.tolist()) if b]
 
+    @property
+    def nonfinite_params(self) -> dict[str, int]:
+        counts = self._codes(self._param_counts)
+        return {p: int(n) for p, n in zip(self._meta.params, counts.tolist()) if n}
+
     def _neighbour(self, at: NonfiniteAt, before: bool) -> NonfiniteAt | None:
         """The entry the program computes just before (or after) ``at``, among all the tags."""
         target, _ = entry_order(self._tag(at.name).template, at.steps)
         best = None
         for tag in self._meta.tags:
-            size = math.prod(tag.loops)
-            steps_of = lambda flat: tuple(int(i) for i in np.unravel_index(flat, tag.loops)) if tag.loops else ()  # noqa: E731,B023
-            # Entries of one tag are in program order by their flat loop index: a binary search for
-            # the first entry not before (or not at or before) ``at``.
-            lo, hi = 0, size
+            order = step_order(tag.template, tag.loops)
+            # A binary search over the entries of one tag, numbered in program order, for the first
+            # not before (or not at or before) ``at``.
+            lo, hi = 0, order.size
             while lo < hi:
                 mid = (lo + hi) // 2
-                key = entry_order(tag.template, steps_of(mid))[0]
+                key = entry_order(tag.template, order.steps(mid))[0]
                 if key < target or (not before and key == target):
                     lo = mid + 1
                 else:
                     hi = mid
-            flat = lo - 1 if before else lo
-            if not 0 <= flat < size:
+            position = lo - 1 if before else lo
+            if not 0 <= position < order.size:
                 continue
-            key, kinds = entry_order(tag.template, steps_of(flat))
+            steps = order.steps(position)
+            key, kinds = entry_order(tag.template, steps)
             if best is None or (key > best[0] if before else key < best[0]):
-                best = (key, NonfiniteAt(tag.name, steps_of(flat), tag.source, "", steps_of(flat), (), kinds))
+                best = (key, NonfiniteAt(tag.name, steps, tag.source, "", steps, (), kinds))
         return None if best is None else best[1]
 
     def _tag(self, name: str) -> TagInfo:
@@ -215,21 +229,25 @@ class NonfiniteReport:
             number = float(np.asarray(value, dtype=np.float64).reshape(()))
             if not np.isfinite(number):
                 sentences.append(f"The function's value is {number}.")
+        broken = self.nonfinite_params
+        if broken:
+            sentences.append(_broken_params(broken, dict(zip(self._meta.params, self._meta.sizes))))
         first = self.first_value
         if first is None:
             sentences.append(f"Every tagged value is finite ({_count(len(self._meta.tags), 'tag')}).")
         else:
             before = self._neighbour(first, before=True)
             if before is None:
+                origin = "those arguments, the other inputs" if broken else "the inputs"
                 sentences.append(
-                    f"The value at {first.name!r}{_at(first)}{first.where()} is {_a(first.kind)}, and it is "
-                    f"the first tag the program computes: the {first.kind} comes from the inputs or from the code "
+                    f"The value at {_name(first)}{_at(first)}{first.where()} is {_a(first.kind)}, and it is "
+                    f"the first tag the program computes: the {first.kind} comes from {origin} or from the code "
                     "before that tag."
                 )
             else:
                 sentences.append(
-                    f"The values are finite up to {before.name!r}{_step_note(before, first)} and not at "
-                    f"{first.name!r}{_at(first)}{first.where()}: the {first.kind} begins in the code between them."
+                    f"The values are finite up to {_name(before)}{_step_note(before, first)} and not at "
+                    f"{_name(first)}{_at(first)}{first.where()}: the {first.kind} begins in the code between them."
                 )
         gradient = self.first_gradient
         if gradient is None:
@@ -239,14 +257,14 @@ class NonfiniteReport:
             only = " Every tagged value is finite: it appears only in the backward pass." if first is None else ""
             if after is None:
                 sentences.append(
-                    f"The gradient at {gradient.name!r}{_at(gradient)}{gradient.where()} is "
+                    f"The gradient at {_name(gradient)}{_at(gradient)}{gradient.where()} is "
                     f"{_a(gradient.kind)}, and it is the last tag the program computes: the {gradient.kind} comes "
                     f"from the backward pass of the code after that tag.{only}"
                 )
             else:
                 sentences.append(
-                    f"The gradients are finite down to {after.name!r}{_step_note(after, gradient)} and not at "
-                    f"{gradient.name!r}{_at(gradient)}{gradient.where()}: the {gradient.kind} begins in "
+                    f"The gradients are finite down to {_name(after)}{_step_note(after, gradient)} and not at "
+                    f"{_name(gradient)}{_at(gradient)}{gradient.where()}: the {gradient.kind} begins in "
                     f"the backward pass of the code between them.{only}"
                 )
             if first is None:
@@ -268,8 +286,32 @@ class NonfiniteReport:
         return f"NonfiniteReport({self})"
 
 
+def _broken_params(broken: dict, sizes: dict) -> str:
+    """The sentences on differentiated leaves that are not finite before the call."""
+
+    def one(path: str, n: int) -> str:
+        name = repr(path) if path else "the argument itself"
+        size = sizes.get(path)
+        return f"{name} ({n} of {size})" if size else f"{name} ({n})"
+
+    items = list(broken.items())
+    shown = ", ".join(one(p, n) for p, n in items[:8]) + (f" and {len(items) - 8} more" if len(items) > 8 else "")
+    return (
+        f"The differentiated arguments hold non-finite entries before this call: {shown}. In parameters, an "
+        "earlier update made them (or the initialisation did), and what follows here comes from them. To find "
+        "that update, keep the last state whose loss and gradients are all finite (one flag in the training "
+        "step) and call find_nonfinite on that state and the batch of the step that broke it."
+    )
+
+
 def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _name(at: NonfiniteAt) -> str:
+    """The tag's name for a sentence: ``'' (the whole model)`` for the tag ``jt.tag_modules`` puts on
+    the model's own output."""
+    return "'' (the whole model)" if at.name == "" and at.source == "" else repr(at.name)
 
 
 def _a(kind: str) -> str:

@@ -103,3 +103,71 @@ def test_filter_value_and_grad_with_values_under_vmap():
     expected = eps_oracle(lambda e: lambda_oracle(model, e, X)[0], eps)
     assert_trees_close(tag_grads["1"], expected["1"])
     assert_trees_close(tag_values["1"], jnp.tanh(jax.vmap(model.layers[0])(X)))
+
+
+# --- a Python number in a model stays a Python number (eqx.nn.Dropout(0.0), as in eqx.nn.MultiheadAttention) ---
+
+
+def dropout_model():
+    return eqx.nn.Sequential([eqx.nn.Linear(3, 2, key=jax.random.key(1), dtype=F64), eqx.nn.Dropout(0.0)])
+
+
+def dropout_loss(model, x):
+    return jnp.sum(jnp.sin(jax.vmap(model)(x)) ** 2)
+
+
+def dropout_losses(model, x):
+    return jnp.sum(jnp.sin(jax.vmap(model)(x)) ** 2, axis=-1)
+
+
+def dropout_oracle(model, eps, x):
+    """By hand: the Linear, + eps at each module's output (Dropout(0.0) is the identity)."""
+    h0 = jax.vmap(model.layers[0])(x) + eps["0"]
+    h1 = h0 + eps["1"]
+    return jnp.sum(jnp.sin(h1) ** 2), {"0": h0, "1": h1}
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, eqx.filter_jit], ids=["eager", "filter_jit"])
+def test_a_python_number_in_a_model_stays_one_in_every_entry_point(wrap):
+    """eqx.nn.Dropout(0.0) shortcuts on ``p == 0`` only while ``p`` is a Python float: a traced ``p``
+    asks for a key. Every jaxtrace entry point that takes a model must hand it over as it is."""
+    plain = dropout_model()
+    model = jt.tag_modules(plain)
+    eps = {"0": jnp.zeros((4, 2), F64), "1": jnp.zeros((4, 2), F64)}
+    (loss, values), tag_grads = eps_oracle(lambda e: dropout_oracle(plain, e, X), eps, value=True, has_aux=True)
+    grads = eqx.filter_grad(dropout_loss)(plain, X)
+
+    report = wrap(jt.find_nonfinite(dropout_loss))(model, X)
+    assert float(report.value) == pytest.approx(float(loss), rel=1e-12)
+    assert report.first_value is None and report.first_gradient is None and report.params == []
+    assert report.names == ["0", "1", ""]
+    assert_trees_close({k: v for k, v in wrap(jt.capture(dropout_loss))(model, X)[1].items() if k != ""}, values)
+    assert_trees_close(wrap(jt.patch(dropout_loss, {"1": lambda v: v}))(model, X), loss)
+    assert_trees_close(wrap(jt.patch_grad(dropout_loss, {"1": lambda g: g}))(model, X), loss)
+    value, (g, tg) = wrap(jt.filter_value_and_grad(dropout_loss, tags=["0", "1"]))(model, X)
+    linear, want = g.layers[0], grads.layers[0]
+    assert_trees_close((value, linear.weight, linear.bias, tg), (loss, want.weight, want.bias, tag_grads))
+    assert g.layers[1].p is None  # the Python float is not differentiated, as eqx.filter_grad gives it
+    _, (_, stats) = wrap(jt.filter_value_and_grad(dropout_loss, tags=["0", "1"], stats=True))(model, X)
+    assert_trees_close(stats["1"]["norm"], jnp.linalg.norm(tag_grads["1"]))
+    jac, _ = wrap(jt.filter_jacrev(dropout_losses, tags=["1"]))(model, X)
+    with_weight = lambda w: dropout_losses(eqx.tree_at(lambda m: m.layers[0].weight, plain, w), X)  # noqa: E731
+    assert_trees_close(jac.layers[0].weight, jax.jacrev(with_weight)(plain.layers[0].weight))
+    per_example_losses, sq_norms = wrap(jt.per_example_norms(dropout_losses, total=True))(plain, X)
+    by_example = jax.vmap(lambda x: eqx.filter_grad(lambda m: dropout_losses(m, x[None])[0])(plain))(X)
+    leaves = jax.tree_util.tree_leaves(eqx.filter(by_example, eqx.is_inexact_array))
+    expected = sum(jnp.sum(leaf.reshape(4, -1) ** 2, axis=1) for leaf in leaves)
+    assert_trees_close((jnp.sum(per_example_losses), sq_norms), (loss, expected))
+
+
+def test_find_nonfinite_on_multihead_attention_under_filter_jit():
+    """The issue's case: eqx.nn.MultiheadAttention holds a default Dropout(0.0), as a ViT's blocks do."""
+    attention = jt.tag_modules(eqx.nn.MultiheadAttention(2, 4, key=jax.random.key(0), dtype=F64))
+    x = jnp.linspace(-1.0, 1.0, 12, dtype=F64).reshape(3, 4)
+
+    def loss(model, x):
+        return jnp.sum(model(x, x, x) ** 2)
+
+    report = eqx.filter_jit(jt.find_nonfinite(loss))(attention, x)
+    assert float(report.value) == pytest.approx(float(loss(attention, x)), rel=1e-12)
+    assert report.first_value is None and report.params == []

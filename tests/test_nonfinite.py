@@ -362,6 +362,9 @@ def test_the_first_tag_already_nonfinite_and_aux(maybe_jit):
     report = maybe_jit(jt.find_nonfinite(loss, has_aux=True))(jnp.asarray([1.0, jnp.inf]))
     assert (report.first_value.name, report.first_value.kind) == ("h", "inf")
     assert "The value at 'h'" in str(report) and "it is the first tag the program computes" in str(report)
+    assert report.nonfinite_params == {"": 1}  # the differentiated input itself, named as such
+    assert "hold non-finite entries before this call: the argument itself (1 of 2)." in str(report)
+    assert "comes from those arguments, the other inputs or from the code before that tag" in str(report)
     assert report.aux["n"] == jnp.inf
 
 
@@ -385,6 +388,8 @@ def test_flax_nnx_model_tagged_with_tag_modules(maybe_jit, dtype):
     h = jnp.tanh(jnp.ones((4, 2), dtype) @ model.layers[0].kernel[...] + model.layers[0].bias[...])
     assert np.all(np.isfinite(h)) and np.all(np.isnan(h @ model.layers[2].kernel[...]))
     assert report.params == ["layers.0.bias", "layers.0.kernel"]  # the NaN kernel's own gradient is finite
+    assert report.nonfinite_params == {"layers.2.kernel": 1}  # the weight itself: named, with its count
+    assert "before this call: 'layers.2.kernel' (1 of 3). In parameters, an earlier update made them" in str(report)
     g = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(jnp.ones((4, 2), dtype))))(params)
     assert not np.all(np.isfinite(g["layers"][0]["kernel"][...])) and np.all(np.isfinite(g["layers"][2]["kernel"][...]))
 
@@ -463,3 +468,290 @@ def test_a_vmap_around_it_is_an_error_not_a_mixed_up_report():
         report.first_value
     with pytest.raises(TypeError, match="read on the host"):
         jax.jit(lambda x: jt.find_nonfinite(loss)(x).first_value)(jnp.ones(2))
+
+
+# --- reverse scans: reported in the order the program computes them (issue 50, item 3) -------------
+
+
+def program_order(program, params, *args):
+    """The names the (unrolled) ``program`` gives its marks, in the order it calls them."""
+    names = []
+
+    def record(value, name):
+        names.append(name)
+        return value
+
+    jax.eval_shape(lambda p: program(p, *args, record), params)
+    return names
+
+
+def first_in_order(order, values, examples=0):
+    """``(name, entry, example)`` of the first name in ``order`` whose value has a non-finite entry,
+    and the first example (of the ``examples`` leading axes of its value) that has one."""
+    for name in order:
+        bad = ~np.isfinite(np.asarray(values[name], np.float64))
+        if bad.any():
+            per_example = bad.reshape(*bad.shape[:examples], -1).any(-1)
+            return name, tuple(int(i) for i in np.argwhere(per_example)[0]) if examples else ()
+    return None
+
+
+S, OBS = 3, [0, 1, 0, 2, 1, 0, 1]  # symbol 2 is never emitted: the observation at position 3 is impossible
+
+
+def hmm_params(dtype):
+    A = jnp.asarray([[0.8, 0.1, 0.1], [0.2, 0.7, 0.1], [0.3, 0.3, 0.4]], dtype)
+    B = jnp.asarray([[0.6, 0.4, 0.0], [0.5, 0.5, 0.0], [0.1, 0.9, 0.0]], dtype)
+    return {"A": A, "B": B, "pi": jnp.full((S,), 1.0 / S, dtype)}
+
+
+def hmm_log_likelihood(params, obs, t):
+    """The backward recursion of an HMM in log space: beta_k from beta_{k+1} and the observation at k+1."""
+    log_A, log_B = jnp.log(params["A"]), jnp.log(params["B"])
+
+    def backward(beta, o):
+        emit = t(log_B[:, o] + beta, "emit")
+        beta = t(jax.nn.logsumexp(log_A + emit[None, :], axis=1), "beta")
+        return beta, None
+
+    beta0, _ = jax.lax.scan(backward, jnp.zeros(S, log_A.dtype), obs[1:], reverse=True)
+    return jax.nn.logsumexp(jnp.log(params["pi"]) + log_B[:, obs[0]] + beta0)
+
+
+def hmm_unrolled(params, obs, t):
+    """The oracle's version: a Python loop from the last step down, the tags named per step."""
+    log_A, log_B = jnp.log(params["A"]), jnp.log(params["B"])
+    beta = jnp.zeros(S, log_A.dtype)
+    for k in reversed(range(len(OBS) - 1)):
+        emit = t(log_B[:, obs[k + 1]] + beta, ("emit", k))
+        beta = t(jax.nn.logsumexp(log_A + emit[None, :], axis=1), ("beta", k))
+    return jax.nn.logsumexp(jnp.log(params["pi"]) + log_B[:, obs[0]] + beta)
+
+
+def test_hmm_backward_recursion_in_a_reverse_scan(maybe_jit, dtype):
+    params, obs = hmm_params(dtype), jnp.asarray(OBS)
+    report = maybe_jit(jt.find_nonfinite(tagged(hmm_log_likelihood)))(params, obs)
+    values, g_eps, _ = oracle(hmm_unrolled, params, obs)
+    order = program_order(hmm_unrolled, params, obs)
+    assert order[:4] == [("emit", 5), ("beta", 5), ("emit", 4), ("beta", 4)]  # the scan runs from its last index
+    (name, k), _ = first_in_order(order, values)
+    assert (name, k) == ("emit", 2)  # obs[3] is impossible: -inf from step 2 down to 0, finite above
+    at = report.first_value
+    assert (at.name, at.steps, at.kind, at.loop_kinds) == ("emit", (2,), "inf", ("reverse scan step",))
+    assert_nonfinite_at({"emit": np.stack([values[("emit", i)] for i in range(6)])}, at, "inf")
+    line = line_of(hmm_log_likelihood, '"emit"')
+    assert (
+        f"The values are finite up to 'beta' (reverse scan step 3) and not at 'emit' ({HERE}:{line}), "
+        "reverse scan step 2: the inf begins in the code between them." in str(report)
+    )
+    (name, k), _ = first_in_order(order[::-1], g_eps)  # the backward pass runs the other way
+    g = report.first_gradient
+    assert (g.name, g.steps) == (name, (k,)) == ("beta", (0,))
+    assert_nonfinite_at({"beta": np.stack([g_eps[("beta", i)] for i in range(6)])}, g, g.kind)
+    assert not np.isfinite(float(report.value))
+
+
+def returns_per_episode(params, rewards, t):
+    """Outer scan over episodes, vmap over a batch, an inner reverse scan for the discounted returns."""
+
+    def episode(total, batch):
+        def one(r):
+            def discount(g, r_k):
+                g = t(r_k * params["scale"] + params["gamma"] * g, "return")
+                return g, t(jnp.log(g), "log_return")  # log of a return <= 0
+
+            _, logs = jax.lax.scan(discount, jnp.zeros((), r.dtype), r, reverse=True)
+            return jnp.sum(logs)
+
+        return total + jnp.sum(jax.vmap(one)(batch)), None
+
+    total, _ = jax.lax.scan(episode, jnp.zeros((), rewards.dtype), rewards)
+    return total
+
+
+def returns_unrolled(params, rewards, t):
+    """The oracle's version: episodes and steps in Python loops (steps from the last), the batch as a vector."""
+    total = jnp.zeros((), rewards.dtype)
+    for e in range(rewards.shape[0]):
+        g = jnp.zeros(rewards.shape[1], rewards.dtype)
+        for k in reversed(range(rewards.shape[2])):
+            g = t(rewards[e, :, k] * params["scale"] + params["gamma"] * g, ("return", e, k))
+            total = total + jnp.sum(t(jnp.log(g), ("log_return", e, k)))
+    return total
+
+
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
+def test_nested_loop_with_an_inner_reverse_scan(maybe_jit, dtype):
+    rewards = jnp.ones((3, 2, 6), dtype)
+    rewards = rewards.at[1, 0, :2].set(jnp.asarray([5.0, -3.0], dtype))  # episode 1, example 0: negative at step 1
+    rewards = rewards.at[1, 1, 3].set(-0.75)  # example 1: the return at step 3 is 0 exactly (-0.75 + 0.5 * 1.5)
+    params = {"scale": jnp.asarray(1.0, dtype), "gamma": jnp.asarray(0.5, dtype)}
+    report = maybe_jit(jt.find_nonfinite(tagged(returns_per_episode)))(params, rewards)
+    values, g_eps, g_params = oracle(returns_unrolled, params, rewards)
+    order = program_order(returns_unrolled, params, rewards)
+    first = first_in_order(order, values, examples=1)
+    assert first == (("log_return", 1, 3), (1,))  # step 3 runs before step 1: log(0) before log(-2.06)
+    at = report.first_value
+    assert (at.name, at.steps, at.examples, at.kind) == ("log_return", (1, 3), (1,), "inf")
+    assert at.loop_kinds == ("scan step", "reverse scan step")
+    line = line_of(returns_per_episode, '"log_return"')
+    assert (
+        f"The values are finite up to 'return' and not at 'log_return' ({HERE}:{line}), scan step 1, "
+        "reverse scan step 3, example 1: the inf begins in the code between them." in str(report)
+    )
+    # The backward pass: episode 2, then episode 1 from step 0 up; 1/g is finite for g < 0, inf at g = 0.
+    first = first_in_order(order[::-1], g_eps, examples=1)
+    assert first == (("return", 1, 3), (1,))
+    g = report.first_gradient
+    assert (g.name, g.steps, g.examples, g.kind) == ("return", (1, 3), (1,), "inf")
+    assert sorted(report.params) == sorted(n for n in params if not np.isfinite(g_params[n]))
+
+
+def two_scans(w, xs, t):
+    """One repeated tag in a forward scan, then in a reversed one: its call axis runs up, its step
+    axis up in call 0 and down in call 1."""
+
+    def step(h, x):
+        h = t(jnp.log(h * x * w), "a")
+        return h + 2.0, None
+
+    h, _ = jax.lax.scan(step, jnp.ones((), xs.dtype), xs[0])
+    h, _ = jax.lax.scan(step, h, xs[1], reverse=True)
+    return h
+
+
+def two_scans_unrolled(w, xs, t):
+    h = jnp.ones((), xs.dtype)
+    for call, steps in ((0, range(4)), (1, reversed(range(4)))):
+        for k in steps:
+            h = t(jnp.log(h * xs[call, k] * w), ("a", call, k)) + 2.0
+    return h
+
+
+def test_a_repeated_tag_in_a_forward_and_a_reversed_scan(maybe_jit):
+    xs = jnp.ones((2, 4)).at[1, 0].set(-1.0).at[1, 2].set(-1.0)
+    report = maybe_jit(jt.find_nonfinite(tagged(lambda w, xs, t: two_scans(w, xs, lambda v, n: t(v, n, repeated=True)))))(1.0, xs)
+    values, g_eps, _ = oracle(two_scans_unrolled, 1.0, xs)
+    order = program_order(two_scans_unrolled, 1.0, xs)
+    assert first_in_order(order, values) == (("a", 1, 2), ())
+    assert first_in_order(order[::-1], g_eps) == (("a", 1, 1), ())  # the last step's own gradient is 1
+    at, g = report.first_value, report.first_gradient
+    assert (at.steps, at.loop_kinds, g.steps) == ((1, 2), ("call", "reverse scan step"), (1, 1))
+    assert "finite up to 'a' (call 1, reverse scan step 3) and not at 'a'" in str(report)
+
+
+# --- a training loop: step k's update makes the NaN that step k+1's loss shows (issue 50, item 2) ---
+
+
+def contrastive_loss(model, a, b, same, margin=1.0):
+    """Pairs (a[i], b[i]) pulled together when ``same``, else pushed apart to ``margin``."""
+    emb = jax.vmap(model)(jnp.concatenate([a, b]))
+    ea, eb = jnp.split(emb, 2)
+    d = jax.vmap(jnp.linalg.norm)(ea - eb)  # its gradient at d = 0 is NaN (sqrt at 0): a duplicated pair
+    return jnp.mean(jnp.where(same, d**2, jnp.maximum(margin - d, 0.0) ** 2))
+
+
+def contrastive_by_hand(w, a, b, same, t, margin=1.0):
+    """The oracle's version: eqx.nn.MLP(4, 3, 8, 2) written out, ``t`` at each layer's output and the model's."""
+    h = jnp.concatenate([a, b])
+    for i in range(3):
+        h = t(h @ w[f"W{i}"].T + w[f"b{i}"], f"layers.{i}")
+        h = jax.nn.relu(h) if i < 2 else h
+    ea, eb = jnp.split(t(h, ""), 2)
+    d = jnp.sqrt(jnp.sum((ea - eb) ** 2, axis=1))
+    return jnp.mean(jnp.where(same, d**2, jnp.maximum(margin - d, 0.0) ** 2))
+
+
+def weights_of(model):
+    pairs = (("W", "weight"), ("b", "bias"))
+    return {f"{kind}{i}": getattr(layer, attr) for i, layer in enumerate(model.layers) for kind, attr in pairs}
+
+
+def pair_batches(n=8, bad=5):
+    """Random pairs; in batch ``bad`` the positive pair 2 is one input twice (a duplicate in the data)."""
+    for step in range(n):
+        ka, kb = jax.random.split(jax.random.key(step))
+        a, b = jax.random.normal(ka, (6, 4)), jax.random.normal(kb, (6, 4))
+        yield a, (b.at[2].set(a[2]) if step == bad else b), jnp.arange(6) % 2 == 0
+
+
+def all_finite(*trees):
+    """One flag: every floating entry of ``trees`` is finite (XLA fuses the checks into the step)."""
+    leaves = jax.tree_util.tree_leaves(eqx.filter(trees, eqx.is_inexact_array))
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def train(guard: bool):
+    """An equinox + optax loop, as users write it; with ``guard``, a step whose loss or gradients are
+    not finite keeps the state it was given and the loop stops there."""
+    import optax
+
+    model = eqx.nn.MLP(4, 3, 8, 2, key=jax.random.key(0))
+    optimizer = optax.adam(1e-2)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def train_step(model, opt_state, a, b, same):
+        loss, grads = eqx.filter_value_and_grad(contrastive_loss)(model, a, b, same)
+        updates, new_opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        new_model = eqx.apply_updates(model, updates)
+        if not guard:
+            return new_model, new_opt_state, loss, jnp.isfinite(loss)
+        finite = all_finite(loss, grads)
+        keep = lambda new, old: jnp.where(finite, new, old) if eqx.is_array(new) else new  # noqa: E731
+        model, opt_state = jax.tree_util.tree_map(keep, (new_model, new_opt_state), (model, opt_state))
+        return model, opt_state, loss, finite
+
+    states, losses = [model], []
+    for step, batch in enumerate(pair_batches()):
+        model, opt_state, loss, finite = train_step(model, opt_state, *batch)
+        states.append(model)
+        losses.append(float(loss))
+        if not finite:
+            return step, batch, states, losses
+    raise AssertionError("the loop never met a non-finite step")
+
+
+@pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
+def test_a_training_loop_whose_first_bad_step_has_a_finite_loss(maybe_jit):
+    pytest.importorskip("optax")
+    jit = eqx.filter_jit if maybe_jit is jax.jit else maybe_jit
+    batches = list(pair_batches())
+
+    # Oracle: step 5's loss is finite and its gradients are not; its update breaks the weights.
+    step, batch, states, losses = train(guard=False)
+    assert step == 6 and np.isnan(losses[6]) and all(np.isfinite(losses[:6]))
+    value, grads = jax.value_and_grad(lambda w: contrastive_by_hand(w, *batches[5], lambda v, n: v))(weights_of(states[5]))
+    assert np.isfinite(value) and not all(np.all(np.isfinite(g)) for g in grads.values())
+
+    # Without a guard: at step 6 the weights are already NaN; the report says so first.
+    report = jit(jt.find_nonfinite(contrastive_loss))(jt.tag_modules(states[6]), *batch)
+    broken = {
+        f"layers.{i}.{attr}": int(np.sum(~np.isfinite(getattr(layer, attr))))
+        for i, layer in enumerate(states[6].layers)
+        for attr in ("weight", "bias")
+    }
+    assert report.nonfinite_params == {p: n for p, n in broken.items() if n}
+    text = str(report)
+    first = f"'layers.0.weight' ({broken['layers.0.weight']} of 32)"
+    assert f"The differentiated arguments hold non-finite entries before this call: {first}" in text
+    assert "In parameters, an earlier update made them" in text
+    assert "the NaN comes from those arguments, the other inputs or from the code before that tag" in text
+
+    # With the guard: the loop stops at step 5 (loss finite) and keeps the state before it.
+    step, batch, states_guarded, losses_guarded = train(guard=True)
+    assert step == 5 and np.isfinite(losses_guarded[5]) and losses_guarded == pytest.approx(losses[:6])
+    kept = states_guarded[-1]
+    for got, want in zip(jax.tree_util.tree_leaves(weights_of(kept)), jax.tree_util.tree_leaves(weights_of(states[5]))):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    report = jit(jt.find_nonfinite(contrastive_loss))(jt.tag_modules(kept), *batch)
+    values, g_eps, g_w = oracle(contrastive_by_hand, weights_of(kept), *batch)
+    order = program_order(contrastive_by_hand, weights_of(kept), *batch)
+    assert order == report.names == ["layers.0", "layers.1", "layers.2", ""]
+    assert first_in_order(order, values, examples=1) is None and report.first_value is None
+    assert report.nonfinite_params == {}
+    name, example = first_in_order(order[::-1], g_eps, examples=1)
+    g = report.first_gradient
+    assert (g.name, g.examples, g.kind) == (name, example, "NaN") == ("", (2,), "NaN")  # pair 2, the duplicate
+    bad = {f"layers.{k[1]}.{'weight' if k[0] == 'W' else 'bias'}" for k, v in g_w.items() if not np.all(np.isfinite(v))}
+    assert set(report.params) == bad

@@ -469,8 +469,8 @@ def check(program, params, x, jit):
 # a per-example predicate), a scan in a vmap and a vmap in a scan (the axis
 # order), remat with a policy in a jit, a pair tag in a loop, repeated calls in
 # a scan and in one branch of a vmapped cond (issue 23), a switch in a vmap,
-# leaves of three dtypes and size 0 in loops, and repeated calls in a vmap
-# whose batch axis moves between the calls.
+# leaves of three dtypes and size 0 in loops, repeated calls in a vmap whose
+# batch axis moves between the calls, and reverse scans nested in scans.
 EXAMPLES = [
     [("vmap", 2, [("matmul", 0), ("tag",), ("unary", "sin")])],
     [("scan", 3, True, [("matmul", 1), ("tag",)]), ("tag",)],
@@ -484,6 +484,10 @@ EXAMPLES = [
     [("vmap", 2, [("tagmix", "bfloat16"), ("scan", 2, False, [("tagmix", "float32")])]), ("tagmix", "bfloat16")],
     # repeated calls in a vmap whose matmul moves the batch axis between the calls (found by the grammar)
     [("vmap", 2, [("repeat", 2, [("tag",), ("matmul", 0)])])],
+    # a reversed scan in a forward one, and a reversed one around a vmap of a reversed one (issue 50):
+    # index i of each loop axis is the step that reads xs[i], whichever way the loop runs
+    [("scan", 2, False, [("scan", 3, True, [("tag",), ("matmul", 0)]), ("tag2",)])],
+    [("scan", 3, True, [("tag",), ("vmap", 2, [("scan", 2, True, [("repeat", 2, [("tag",), ("unary", "sin")])])])])],
 ]
 
 
