@@ -307,6 +307,30 @@ def test_every_transform_advances_an_rngs_argument_as_a_plain_call(name, jit):
         _same_state(tagged, model)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_per_example_transforms_with_an_rngs_argument(jit):
+    """jt.per_example_norms and jt.clipped_grad: each example's nnx.grad (the same dropout mask, from a
+    copy of the Rngs), and the Rngs after one plain call."""
+    model, rngs, ours = Net(nnx.Rngs(0)), nnx.Rngs(5), nnx.Rngs(5)
+    norms = _jit(jit)(jt.per_example_norms(losses))
+    clipped = _jit(jit)(jt.clipped_grad(losses, 1.0))
+    for transform in (norms, clipped):
+        per_example = [
+            nnx.grad(lambda m, x, r, i=i: losses(m, x, r)[i])(model, X, nnx.clone(rngs)) for i in range(len(X))
+        ]
+        sq = [sum(jnp.sum(g**2) for g in jax.tree_util.tree_leaves(gi)) for gi in per_example]
+        value, got = transform(model, X, ours)
+        expected_losses = losses(model, X, rngs)
+        assert_trees_close(value, expected_losses)
+        if transform is norms:
+            expected = jax.tree_util.tree_map(lambda *g: jnp.stack([jnp.sum(gi**2) for gi in g]), *per_example)
+        else:
+            weights = [jnp.minimum(1.0, 1.0 / jnp.sqrt(s)) for s in sq]
+            expected = jax.tree_util.tree_map(lambda *g: sum(w * gi for w, gi in zip(weights, g)), *per_example)
+        assert_trees_close(got, expected, rtol=1e-10, atol=1e-12)
+        _same_state(ours, rngs)
+
+
 def test_a_variable_reached_from_a_differentiated_model_and_an_argument_is_refused():
     """jt.grad takes the model as a pytree (as jax.grad); an Rngs it holds passed again would be two."""
     rngs = nnx.Rngs(5)
