@@ -342,3 +342,18 @@ def test_a_variable_reached_from_a_differentiated_model_and_an_argument_is_refus
 
     with pytest.raises(TypeError, match="reachable both from the model or an argument that is differentiated"):
         jt.grad(lambda m, x, r: jnp.sum(m.l1(x)) + jax.random.uniform(r()))(Holder(), X, rngs)
+
+
+def test_a_call_that_adds_variables_is_refused():
+    """Variables made during the call cannot leave jaxtrace's trace: a sentence that says where to make them."""
+
+    class Lazy(nnx.Module):
+        def __init__(self):
+            self.l1 = nnx.Linear(3, 2, rngs=nnx.Rngs(0), param_dtype=F64)
+
+        def __call__(self, x):
+            self.seen = nnx.BatchStat(jnp.mean(x))  # state created by the call
+            return self.l1(x)
+
+    with pytest.raises(TypeError, match="added or removed nnx.Variables.*Create that state before"):
+        jt.capture(Lazy())(X)
