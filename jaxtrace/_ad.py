@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from . import _compat
 from ._perturb import perturb
 from ._checks import check_callable, normalize_argnums
+from ._leaves import check_nnx_differentiable
 from ._selection import Selection, TagSelection
 from ._sites import Site
 from ._split import Split
@@ -164,6 +165,7 @@ def value_and_grad_with_sites(
     nums = normalize_argnums(argnums)
 
     def fun_with_sites(*args, **kwargs):
+        check_nnx_differentiable(args, nums, "jt.grad, jt.value_and_grad, jt.stats.value_and_grad")
         split, run, eps = split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
         (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(
             run, argnums=(0, 1), has_aux=True, holomorphic=holomorphic
@@ -326,6 +328,7 @@ def jacrev(
 
     @functools.wraps(fun)
     def jacrev_fun(*args, **kwargs):
+        check_nnx_differentiable(args, nums, "jt.jacrev, jt.stats.jacrev")
         split, run, eps = split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
         out, pullback, (aux, values) = jax.vjp(run, split.args, eps, has_aux=True)
         split.write_back(values)

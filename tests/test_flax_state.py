@@ -357,3 +357,14 @@ def test_a_call_that_adds_variables_is_refused():
 
     with pytest.raises(TypeError, match="added or removed nnx.Variables.*Create that state before"):
         jt.capture(Lazy())(X)
+
+
+def test_jt_grad_of_a_module_with_rng_state_names_jaxtrace_flax():
+    """jt.grad differentiates every leaf, as jax.grad: an owned RNG count has no gradient, and the error says
+    which leaf and what to use instead."""
+    tagged = jt.tag_modules(Stateful(nnx.Rngs(0)))
+    for transform in (jt.grad, jt.stats.value_and_grad, jt.jacrev):
+        with pytest.raises(TypeError, match=r"at \.drop\.rngs\.count.*Use jaxtrace\.flax\.grad"):
+            transform(lambda m, x: jnp.sum(m(x)))(tagged, X)
+    grads, _ = jaxtrace.flax.grad(lambda m, x: jnp.sum(m(x)))(tagged, X)  # the way the message names
+    assert sorted(grads) == ["dense", "norm"]
