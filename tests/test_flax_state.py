@@ -332,7 +332,7 @@ def test_per_example_transforms_with_an_rngs_argument(jit):
 
 
 def test_a_variable_reached_from_a_differentiated_model_and_an_argument_is_refused():
-    """jt.grad takes the model as a pytree (as jax.grad); an Rngs it holds passed again would be two."""
+    """jt.find_nonfinite takes the model as a pytree (as jax.grad); an Rngs it holds passed again would be two."""
     rngs = nnx.Rngs(5)
 
     class Holder(nnx.Module):
@@ -341,7 +341,7 @@ def test_a_variable_reached_from_a_differentiated_model_and_an_argument_is_refus
             self.rngs = rngs
 
     with pytest.raises(TypeError, match="reachable both from the model or an argument that is differentiated"):
-        jt.grad(lambda m, x, r: jnp.sum(m.l1(x)) + jax.random.uniform(r()))(Holder(), X, rngs)
+        jt.find_nonfinite(lambda m, x, r: jnp.sum(m.l1(x)) + jax.random.uniform(r()))(Holder(), X, rngs)
 
 
 def test_a_call_that_adds_variables_is_refused():

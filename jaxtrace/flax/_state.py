@@ -128,7 +128,9 @@ class Lift:
                 nodes.append(x)
             return _Slot(ids[id(x)], self)
 
-        def slots(tree):
+        def slots(tree):  # an argument without NNX objects is passed as it is, not rebuilt
+            if not _holds_nodes(tree):
+                return tree
             return jax.tree_util.tree_map(lambda x: slot(x) if is_node(x) else x, tree, is_leaf=is_node)
 
         if wrt is not None:
@@ -212,14 +214,15 @@ class Lift:
             _set_raw(self._originals[k], value)
 
 
+def _holds_nodes(tree) -> bool:
+    return any(is_node(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_node))
+
+
 def lift(fun: Callable, args, kwargs: dict, *, keep=(), skip=()) -> Optional[Lift]:
     """A ``Lift`` when NNX state is among ``fun``, ``args`` and ``kwargs`` (outside ``skip``), else ``None``."""
-    found = lambda tree: any(  # noqa: E731
-        is_node(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_node)
-    )
     args = tuple(args)
     watched = [a for i, a in enumerate(args) if i not in {s % len(args) for s in skip}]
     method_of = getattr(fun, "__self__", None) if inspect.ismethod(fun) else None
-    if not (is_node(fun) or is_node(method_of) or found(watched) or found(kwargs)):
+    if not (is_node(fun) or is_node(method_of) or _holds_nodes(watched) or _holds_nodes(kwargs)):
         return None
     return Lift(fun, args, kwargs, keep=keep, skip=skip)
