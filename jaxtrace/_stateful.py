@@ -9,6 +9,7 @@ batch statistics). The core never imports Flax: a Flax object means Flax is load
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ def lift(fun: Callable, args, kwargs: dict, *, keep=(), skip=()) -> Any:
     """
     if sys.modules.get("flax.nnx") is None:
         return None
-    from .flax._state import lift as lift_nnx  # Flax is loaded: importing the Flax room costs nothing new
-
-    return lift_nnx(fun, args, kwargs, keep=keep, skip=skip)
+    # The Flax room, loaded by name: the core sits below the integrations and imports none of them;
+    # with Flax loaded, loading the room costs nothing new.
+    room = importlib.import_module("jaxtrace.flax._state")
+    return room.lift(fun, args, kwargs, keep=keep, skip=skip)
