@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from . import _compat
 from ._perturb import perturb
 from ._checks import check_callable, normalize_argnums
+from ._leaves import check_nnx_differentiable
 from ._selection import Selection, TagSelection
 from ._sites import Site
 from ._split import Split
@@ -164,10 +165,12 @@ def value_and_grad_with_sites(
     nums = normalize_argnums(argnums)
 
     def fun_with_sites(*args, **kwargs):
+        check_nnx_differentiable(args, nums, "jt.grad, jt.value_and_grad, jt.stats.value_and_grad")
         split, run, eps = split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
         (value, (aux, values)), (g_args, g_eps) = jax.value_and_grad(
             run, argnums=(0, 1), has_aux=True, holomorphic=holomorphic
         )(split.args, eps)
+        split.write_back(values)
         grads = g_args[0] if isinstance(argnums, int) else g_args
         result = ((value, aux) if has_aux else value, (grads, split.tag_tree(g_eps)))
         return ((*result, split.tag_tree(values)) if with_values else result), split.sites
@@ -262,6 +265,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, tags: TagSelection 
     check_callable(fun, "jaxtrace.vjp")
     split, run, eps = split_for_reverse(fun, primals, {}, tuple(range(len(primals))), tags, has_aux, with_values)
     out, pullback, (aux, values) = jax.vjp(run, split.args, eps, has_aux=True)
+    split.write_back(values)
     vjp_fn = jax.tree_util.Partial(functools.partial(_split_cotangents, split.tag_tree), pullback)
     result = (out, vjp_fn, aux) if has_aux else (out, vjp_fn)
     return (*result, split.tag_tree(values)) if with_values else result
@@ -324,8 +328,10 @@ def jacrev(
 
     @functools.wraps(fun)
     def jacrev_fun(*args, **kwargs):
+        check_nnx_differentiable(args, nums, "jt.jacrev, jt.stats.jacrev")
         split, run, eps = split_for_reverse(fun, args, kwargs, nums, tags, has_aux, with_values)
         out, pullback, (aux, values) = jax.vjp(run, split.args, eps, has_aux=True)
+        split.write_back(values)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         _check_real_outputs(out_leaves)
         basis, starts, sizes = _output_basis(out_leaves)

@@ -52,8 +52,9 @@ def capture(fun: Callable, *, tags: TagSelection = None) -> Callable:
 
     @functools.wraps(fun)
     def captured(*args, **kwargs):
-        split = Split(fun, args, kwargs, range(len(args)), tags, dynamic=is_array, purpose="read")
+        split = Split(fun, args, kwargs, range(len(args)), tags, dynamic=is_array, purpose="read", keep=())
         out, values = split(split.args, keep, {}, split.keys)
+        split.write_back(values)
         if not split.program.sites:  # reading a name then says that nothing is tagged, and how to tag
             return out, NoTags("jaxtrace.capture", _HOW_TO_TAG)
         return out, split.tag_tree(values)
@@ -100,7 +101,8 @@ def jvp(fun: Callable, primals, tangents, *, tags: TagSelection = None):
     def run(args):
         return split(args, keep, {}, split.keys)
 
-    (out, _), (out_dot, values_dot) = jax.jvp(run, (split.args,), (tangents,))
+    (out, values), (out_dot, values_dot) = jax.jvp(run, (split.args,), (tangents,))
+    split.write_back(values)
     return out, out_dot, split.tag_tree(values_dot)
 
 
@@ -152,13 +154,16 @@ def patch(fun: Callable, replacements: Mapping[str, Any]) -> Callable:
 
     @functools.wraps(fun)
     def patched(*args, **kwargs):
-        split = Split(fun, args, kwargs, range(len(args)), list(replacements), dynamic=is_array, purpose="forward")
+        split = Split(
+            fun, args, kwargs, range(len(args)), list(replacements), dynamic=is_array, purpose="forward", keep=()
+        )
         refuse_differentiated(split.sites, "jaxtrace.patch", "value", "jax.grad(jt.patch(loss, ...))")
         inputs = {}
         for name, value in replacements.items():
             if name not in functions:
                 inputs.update(_program_inputs([s for s in split.sites if s.name == name], value))
-        out, _ = split(split.args, site_fn, inputs)
+        out, values = split(split.args, site_fn, inputs)
+        split.write_back(values)
         return out
 
     return patched

@@ -10,11 +10,12 @@ leaf's place in the model nor the fix. ``check_array_leaves`` names both.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ._arrays import is_array_like
 from ._frameworks import is_nnx_module
 
-__all__ = ["check_array_leaves"]
+__all__ = ["check_array_leaves", "check_nnx_differentiable"]
 
 
 def check_array_leaves(args: tuple, argnums: tuple) -> None:
@@ -48,3 +49,21 @@ def _describe(leaf) -> str:
     name = getattr(leaf, "__name__", None) or getattr(getattr(leaf, "__wrapped__", None), "__name__", None)
     kind = type(leaf).__name__
     return f"{kind} {name}" if name and callable(leaf) else f"a {kind}"
+
+
+def check_nnx_differentiable(args: tuple, argnums: tuple, api: str) -> None:
+    """A ``TypeError`` when an ``nnx.Module`` in ``argnums`` holds integer or PRNG-key state (an RNG count
+    or key), which ``jax.grad`` cannot differentiate: its own error names neither the module nor the fix."""
+    for position in argnums:
+        arg = args[position]
+        if not any(is_nnx_module(x) for x in jax.tree_util.tree_leaves(arg, is_leaf=is_nnx_module)):
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            if is_array_like(leaf) and not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+                raise TypeError(
+                    f"jaxtrace ({api}) differentiates every leaf of argument {position}, as jax.grad does, but the "
+                    f"nnx.Module there holds state that has no gradient: a {jnp.result_type(leaf)} array at "
+                    f"{jax.tree_util.keystr(path)} (an RNG count or key). Use "
+                    "jaxtrace.flax.grad / value_and_grad / jacrev, which differentiate its nnx.Param state and "
+                    "write the RNG counts back, as nnx.grad does."
+                )

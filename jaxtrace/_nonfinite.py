@@ -99,6 +99,7 @@ def find_nonfinite(
 
         diff = [leaf for (_, leaf), m in zip(paths_and_leaves, mask) if m]
         (value, (aux, values)), (g_diff, g_eps) = jax.value_and_grad(run_inexact, argnums=(0, 1), has_aux=True)(diff, eps)
+        split.write_back(values)  # NNX state (RNG counts, batch statistics) as a plain call leaves it
         infos, value_codes, gradient_codes = _tag_codes(split, values, g_eps)
         # Paths inside the argument with one argnum (as its gradient's), else from the tuple of arguments.
         chosen = [param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]

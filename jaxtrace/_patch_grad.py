@@ -158,9 +158,10 @@ def patch_grad(fun: Callable, fns: Mapping[str, Callable], *, with_values: bool 
 
     @functools.wraps(fun)
     def patched(*args, **kwargs):
-        split = Split(fun, args, kwargs, range(len(args)), list(fns), dynamic=is_array, purpose="reverse")
+        split = Split(fun, args, kwargs, range(len(args)), list(fns), dynamic=is_array, purpose="reverse", keep=())
         refuse_differentiated(split.sites, "jaxtrace.patch_grad", "gradient", "jax.grad(jt.patch_grad(loss, ...))")
-        out, _ = split(split.args, None, {}, call_fn=functools.partial(_call_fn, fns, with_values))
+        out, values = split(split.args, None, {}, call_fn=functools.partial(_call_fn, fns, with_values))
+        split.write_back(values)
         return out
 
     return patched

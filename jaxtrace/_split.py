@@ -20,9 +20,14 @@ from ._program import Program
 from ._selection import report_evaluated, select
 from ._sites import Site, assemble
 from ._splitter import Splitter, per_leaf, whole_call
+from ._stateful import lift
 from ._tag import evaluated_tags
 
-__all__ = ["Split", "is_array", "keep"]
+__all__ = ["Split", "STATE", "is_array", "keep"]
+
+# The key, among a call's site outputs, of the NNX state the call changed (no site has leaf -1):
+# it leaves the transform's trace with the values at the tags, and ``Split.write_back`` sets it.
+STATE = ("", -1)
 
 
 def _always(leaf) -> bool:
@@ -53,6 +58,18 @@ def _explain_tracer_errors(fun):
             "the value as a Python number (jaxtrace keeps Python numbers static)."
         )
         raise
+    except Exception as e:
+        if type(e).__name__ != "TraceContextError" or not type(e).__module__.startswith("flax"):
+            raise
+        name = getattr(fun, "__qualname__", repr(fun))
+        e.add_note(
+            f"jaxtrace traces {name} into a program, even when it is called without jax.jit, and Flax lets an "
+            "NNX object change (an RNG count, batch statistics) only in the trace that made it. jaxtrace moves "
+            "the NNX objects it is given into its trace and writes their changes back, but not one that the "
+            "function closes over: pass the model (or nnx.Rngs) as an argument, jt.capture(lambda m, x: m(x))"
+            "(model, x), or the module itself as the function, jt.capture(model)(x)."
+        )
+        raise
 
 
 class Split:
@@ -64,9 +81,13 @@ class Split:
     Calling it re-runs the program on new values of those inputs, applying
     ``site_fn`` at each selected tag and handing out the values at the sites
     in ``outputs``.
+
+    NNX objects among ``fun`` and its arguments are lifted into the trace (``_stateful``), except
+    in the positions ``keep`` (default: ``argnums``), which are traced as pytrees; the state the
+    call changes is handed out under ``STATE`` with the site outputs, for ``write_back``.
     """
 
-    def __init__(self, fun, args, kwargs, argnums, tags, *, dynamic=_always, purpose="reverse"):
+    def __init__(self, fun, args, kwargs, argnums, tags, *, dynamic=_always, purpose="reverse", keep=None):
         args = tuple(args)
         for a in argnums:
             if not -len(args) <= a < len(args):
@@ -75,6 +96,9 @@ class Split:
                     "argument(s)."
                 )
         argnums = tuple(a % len(args) for a in argnums)
+        self.lift = lift(fun, args, kwargs, keep=argnums if keep is None else keep)
+        if self.lift is not None:
+            fun, args, kwargs = self.lift.fun, self.lift.args, self.lift.kwargs
         self.args = tuple(args[i] for i in argnums)
         if dynamic is _always:  # every leaf is traced: a clear error for functions, strings
             check_array_leaves(self.args, argnums)
@@ -87,13 +111,19 @@ class Split:
             full = list(args)
             for i, a in zip(argnums, chosen):
                 full[i] = a
-            out_leaves, self.out_tree = jax.tree_util.tree_flatten(fun(*full, **kwargs))
+            out = fun(*full, **kwargs)
+            changed = None
+            if self.lift is not None:
+                out, changed = out
+            out_leaves, self.out_tree = jax.tree_util.tree_flatten(out)
+            state_leaves, self._state_tree = jax.tree_util.tree_flatten(changed)
             # Leaves that are not arrays (strings, Python numbers in an aux output) pass through as they are.
             self._static = {i: leaf for i, leaf in enumerate(out_leaves) if not is_array(leaf)}
-            return [leaf for leaf in out_leaves if is_array(leaf)]
+            return [leaf for leaf in out_leaves if is_array(leaf)] + state_leaves
 
         self._mask = mask
         self.out_tree: Any = None
+        self._state_tree: Any = None
         self._static: dict = {}
         with jax.disable_jit(False), _explain_tracer_errors(fun), evaluated_tags() as evaluated:
             # Traced as under jit even inside jax.disable_jit(): a scan stays one scan, so a tag in
@@ -113,7 +143,15 @@ class Split:
         it = iter(map(_as_array, outs))
         site_outputs = {k: _as_array(v) for k, v in site_outputs.items()}
         out_leaves = [self._static[i] if i in self._static else next(it) for i in range(self.out_tree.num_leaves)]
+        if self.lift is not None:
+            site_outputs[STATE] = jax.tree_util.tree_unflatten(self._state_tree, list(it))
         return jax.tree_util.tree_unflatten(self.out_tree, out_leaves), site_outputs
+
+    def write_back(self, outputs: dict) -> None:
+        """Leaves the NNX objects of the call as one plain call leaves them, from the site outputs
+        of a call (``outputs[STATE]``) once they are out of the transform's trace."""
+        if self.lift is not None:
+            self.lift.write_back(outputs[STATE])
 
     @property
     def keys(self) -> list:

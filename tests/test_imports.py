@@ -70,6 +70,7 @@ def test_equinox_helpers_are_their_implementations():
 CORE = (
     "_arrays",
     "_frameworks",
+    "_stateful",
     "_paths",
     "_errors",
     "_checks",

@@ -25,6 +25,7 @@ from .. import _compat, _equation_params, _higher_order
 from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
+from .._stateful import lift
 from .._tag import opened
 from ._factors import Use, examples_first, over_loops, with_rows
 from ._leaf_sums import sq_norm, step_module, weighted_sum
@@ -76,6 +77,11 @@ class Call:
         self.tagged_args, self.tagged_kwargs = _partition_twins(
             args[argnums], lambda: plan.run_model(plan.leaves), self.args, kwargs, argnums
         )
+        # NNX objects among the other arguments (an nnx.Rngs that dropout draws from) enter each trace
+        # as merged copies and their changed state is written back, as nnx.grad does (``_stateful``).
+        self._lift = lift(fun, self.tagged_args, self.tagged_kwargs, skip=(argnums,))
+        twins = self.tagged_args is self.args and self.tagged_kwargs is kwargs
+        self._plain_lift = self._lift if twins else lift(fun, self.args, kwargs, skip=(argnums,))
 
         def flat(leaves):
             out, self._out_tree = jax.tree_util.tree_flatten(self._traced(leaves))
@@ -173,15 +179,32 @@ class Call:
         return proven, why
 
     def _traced(self, leaves):
-        """``(fun's output, the state the model changed)``, the model rebuilt from ``leaves``."""
-        args = list(self.tagged_args)
-        args[self.argnums] = model = self.plan.run_model(leaves)
-        return self.fun(*args, **self.tagged_kwargs), self.plan.state_of(model)
+        """``(fun's output, (the state the model changed, the state other NNX arguments changed))``, the
+        model rebuilt from ``leaves``."""
+        model = self.plan.run_model(leaves)
+        if self._lift is None:
+            return self._call(self.fun, self.tagged_args, self.tagged_kwargs, model), (self.plan.state_of(model), None)
+        out, changed = self._call(self._lift.fun, self._lift.args, self._lift.kwargs, model)
+        return out, (self.plan.state_of(model), changed)
 
     def _call_with(self, leaves, model_fn):
-        args = list(self.args)
-        args[self.argnums] = model_fn(leaves)
-        return self.fun(*args, **self.kwargs)
+        """``fun``'s output with the model ``model_fn(leaves)``; the state a call changes is left behind
+        (the exact path runs from the state the pass started from, so it draws the same random numbers)."""
+        if self._plain_lift is None:
+            return self._call(self.fun, self.args, self.kwargs, model_fn(leaves))
+        return self._call(self._plain_lift.fun, self._plain_lift.args, self._plain_lift.kwargs, model_fn(leaves))[0]
+
+    def _call(self, fun, args, kwargs, model):
+        args = list(args)
+        args[self.argnums] = model
+        return fun(*args, **kwargs)
+
+    def write_back(self) -> None:
+        """Leaves the model and the other NNX arguments as one plain call of ``fun`` leaves them, as ``nnx.grad`` does."""
+        model_state, changed = self.state
+        self.plan.write_back(model_state)
+        if self._lift is not None:
+            self._lift.write_back(changed)
 
     @functools.cached_property
     def _dtypes(self) -> list:

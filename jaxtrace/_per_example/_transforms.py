@@ -64,7 +64,7 @@ def per_example_norms(
     def norms_fun(*args, **kwargs):
         call = Call(fun, argnums, fallback, has_aux, args, kwargs)
         sq = call.sq_norms()
-        call.plan.write_back(call.state)
+        call.write_back()
         value = (call.losses, call.aux) if has_aux else call.losses
         if total:
             return value, functools.reduce(jnp.add, sq) if sq else jnp.zeros_like(call.losses)
@@ -115,7 +115,7 @@ def clipped_grad(fun: Callable, max_norm, argnums: int = 0, *, fallback: str = "
         call = Call(fun, argnums, fallback, has_aux, args, kwargs)
         sq = call.sq_norms()
         sq_total = functools.reduce(jnp.add, sq) if sq else jnp.zeros(call.losses.shape, jnp.float32)
-        call.plan.write_back(call.state)
+        call.write_back()
         value = (call.losses, call.aux) if has_aux else call.losses
         return value, call.plan.out(call.weighted_grads(clip_weights(sq_total, max_norm)))
 

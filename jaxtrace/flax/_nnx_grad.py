@@ -1,15 +1,15 @@
 """Flax NNX models: ``jaxtrace.flax.grad`` / ``value_and_grad`` / ``jacrev``, shaped like ``nnx.grad``.
 
-``fun``'s first argument is an ``nnx.Module``; the gradient is taken with
-respect to its ``wrt`` state (``nnx.Param`` by default, as ``nnx.grad``), and
-state the call changes (RNG counts of ``nnx.Dropout``, ``nnx.BatchNorm``
-statistics) is written back into the model afterwards, as ``nnx.grad`` does.
+``fun``'s first argument is an ``nnx.Module``; the gradient is taken with respect to its ``wrt``
+state (``nnx.Param`` by default, as ``nnx.grad``). The model and every other NNX object among the
+arguments (an ``nnx.Rngs`` the function draws from, a second module) are split together and
+merged again inside the traced function, and the state the call changes (RNG counts of
+``nnx.Dropout`` and ``nnx.Rngs``, ``nnx.BatchNorm`` statistics) is written back afterwards, as
+``nnx.grad`` does: the rule of ``jaxtrace.flax._state``, which every jaxtrace transform follows.
 
-Why not plain ``jaxtrace.grad`` on ``nnx.split`` state: a model merged inside a
-traced function from state made outside it cannot update its RNG counts there
-(Flax raises ``TraceContextError``, for ``jax.grad`` as for ``jaxtrace.grad``);
-``nnx.merge(..., copy=True)`` inside the function and handing the changed
-state out is what makes it work, and these wrappers do exactly that.
+Why not plain ``jaxtrace.grad`` on ``nnx.split`` state: a model merged inside a traced function
+from state made outside it cannot update its RNG counts there (Flax raises ``TraceContextError``,
+for ``jax.grad`` as for ``jaxtrace.grad``).
 """
 
 from __future__ import annotations
@@ -23,33 +23,29 @@ from .._ad import grad_result
 from .._frameworks import is_nnx_module
 from .._checks import check_callable
 from .._selection import TagSelection
+from ._state import Lift
 
 __all__ = ["value_and_grad", "grad", "jacrev"]
 
 
-def _split_model(fun: Callable, model, wrt, aux_wanted: bool, who: str):
-    """``(split_fun, diff, rest)``: ``split_fun(diff, rest, *args)`` returns ``(out, (aux, changed state))``.
-
-    The model is merged inside the traced function with ``copy=True`` (its
-    Variables belong to that trace, so RNG counts and batch statistics may
-    change there) and the changed non-``wrt`` state is handed out, for the
-    caller to write back with ``nnx.update``.
-    """
+def _lift_model(fun: Callable, args: tuple, kwargs: dict, wrt, aux_wanted: bool, who: str):
+    """``(lift, split_fun)``: ``split_fun(diff, *args, **kwargs)`` returns ``(out, (aux, changed state))``,
+    ``diff`` being the model's ``wrt`` state (``lift.args[0]``); ``lift.write_back`` takes the state."""
+    model = args[0] if args else None
     if not is_nnx_module(model):
         raise TypeError(
             f"Functions wrapped with jaxtrace.flax.{who} take an nnx.Module as "
             f"their first argument, but got {type(model).__name__}. For a pytree of arrays use "
             "jaxtrace.grad / jaxtrace.value_and_grad / jaxtrace.jacrev."
         )
-    graphdef, diff, rest = nnx.split(model, wrt, ...)
+    lift = Lift(fun, args, kwargs, wrt=wrt)
 
-    def split_fun(diff, rest, *args, **kwargs):
-        inner = nnx.merge(graphdef, diff, rest, copy=True)  # Variables of this trace: they may change
-        out = fun(inner, *args, **kwargs)
+    def split_fun(*args, **kwargs):
+        out, changed = lift.fun(*args, **kwargs)
         value, aux = out if aux_wanted else (out, None)
-        return value, (aux, nnx.split(inner, wrt, ...)[2])
+        return value, (aux, changed)
 
-    return split_fun, diff, rest
+    return lift, split_fun
 
 
 def value_and_grad(
@@ -63,9 +59,9 @@ def value_and_grad(
 ) -> Callable:
     """Like ``nnx.value_and_grad`` (first argument a model), and also the gradients at the tags.
 
-    Other state that ``fun`` changes in the model (RNG counts, batch
-    statistics) is written back into it, as ``nnx.grad`` does. Works eagerly
-    and inside ``nnx.jit``.
+    Other state that ``fun`` changes (RNG counts, batch statistics), in the
+    model or in other NNX arguments (an ``nnx.Rngs`` passed to it), is written
+    back into them, as ``nnx.grad`` does. Works eagerly and inside ``nnx.jit``.
 
     Args:
         fun: the function; its first argument is an ``nnx.Module``.
@@ -108,13 +104,13 @@ def value_and_grad(
     aux_wanted = bool(has_aux)
     names = _stats_option.stat_names(stats)
 
-    def value_and_grad_fun(model, *args, **kwargs):
-        split_fun, diff, rest = _split_model(fun, model, wrt, aux_wanted, "grad or jaxtrace.flax.value_and_grad")
+    def value_and_grad_fun(*args, **kwargs):
+        lift, split_fun = _lift_model(fun, args, kwargs, wrt, aux_wanted, "grad or jaxtrace.flax.value_and_grad")
         transform = _stats_option.value_and_grad(
             split_fun, 0, has_aux=True, tags=tags, with_values=with_values, stats=names
         )
-        (value, (aux, new_rest)), grads, *values = transform(diff, rest, *args, **kwargs)
-        nnx.update(model, new_rest)
+        (value, (aux, changed)), grads, *values = transform(*lift.args, **lift.kwargs)
+        lift.write_back(changed)
         return (((value, aux) if aux_wanted else value), grads, *values)
 
     return value_and_grad_fun
@@ -158,8 +154,8 @@ def grad(
     check_callable(fun, "jaxtrace.flax.grad")
     value_and_grad_fun = value_and_grad(fun, has_aux=has_aux, tags=tags, wrt=wrt, with_values=with_values, stats=stats)
 
-    def grad_fun(model, *args, **kwargs):
-        return grad_result(value_and_grad_fun(model, *args, **kwargs), has_aux)
+    def grad_fun(*args, **kwargs):
+        return grad_result(value_and_grad_fun(*args, **kwargs), has_aux)
 
     return grad_fun
 
@@ -178,7 +174,7 @@ def jacrev(
     Which loss term reaches which layer: ``fun`` returns a pytree of loss
     terms; with ``stats=`` each tag's Jacobian is reduced per term inside the
     traced function, as ``jaxtrace.stats.jacrev`` does. State the call changes
-    (RNG counts, batch statistics) is written back into the model.
+    (RNG counts, batch statistics, in the model or an ``nnx.Rngs`` argument) is written back.
 
     Args:
         fun: the function; its first argument is an ``nnx.Module``.
@@ -218,11 +214,11 @@ def jacrev(
     names = _stats_option.stat_names(stats)
     param_stats = _stats_option.check_param_stats(param_stats, names, "jaxtrace.flax.jacrev")
 
-    def jacrev_fun(model, *args, **kwargs):
-        split_fun, diff, rest = _split_model(fun, model, wrt, aux_wanted, "jacrev")
+    def jacrev_fun(*args, **kwargs):
+        lift, split_fun = _lift_model(fun, args, kwargs, wrt, aux_wanted, "jacrev")
         transform = _stats_option.jacrev(split_fun, 0, has_aux=True, tags=tags, stats=names, param_stats=param_stats)
-        result, (aux, new_rest) = transform(diff, rest, *args, **kwargs)
-        nnx.update(model, new_rest)
+        result, (aux, changed) = transform(*lift.args, **lift.kwargs)
+        lift.write_back(changed)
         return (result, aux) if aux_wanted else result
 
     return jacrev_fun
