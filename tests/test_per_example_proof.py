@@ -238,6 +238,51 @@ def test_data_mixed_before_any_weight_is_not_refused():
     check(lambda m, x, y: mse(m, x - jnp.mean(x, axis=0), y), MLP, X, Y, jit=False)
 
 
+# --- examples that meet through attention across the batch (issue 51) ------------------------
+
+
+class SetModel(eqx.Module):
+    """A set model: attention with the batch as the sequence (each example's query reads every
+    example's key and value), then a Linear per row. ``first``: a Linear per row before it."""
+
+    attn: eqx.nn.MultiheadAttention
+    lin: eqx.nn.Linear
+    first: object = None
+
+    def __call__(self, x):  # x (B, d): the whole batch
+        h = x if self.first is None else jnp.tanh(jax.vmap(self.first)(x))
+        return jax.vmap(self.lin)(self.attn(h, h, h))
+
+
+def set_model(first=False):
+    k = jax.random.split(KEYS[3], 3)
+    return SetModel(eqx.nn.MultiheadAttention(2, D, key=k[0]), eqx.nn.Linear(D, 3, key=k[1]), eqx.nn.Linear(D, D, key=k[2]) if first else None)
+
+
+def set_losses(model, x, y):
+    return jnp.sum((model(x) - y) ** 2, axis=-1)
+
+
+XS, YS = jax.random.normal(KEYS[4], (B, D)), jax.random.normal(KEYS[5], (B, 3))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_attention_across_the_batch_on_the_inputs_is_the_definition(jit):
+    """Issue 51: attention applied to the inputs with the batch as the sequence. The keys and values are
+    layer outputs every example's query reads; each example's gradient at them comes from where they meet
+    the queries, and it is on factors. Their projections (``eqx.nn.Linear`` without bias, under
+    ``jax.vmap``) have their outputs as ``(features, B)`` in the program: that gradient read in the value's
+    ``(B, features)`` layout was silently off (65% on the key projection's norms)."""
+    check(set_losses, set_model(), XS, YS, jit=jit)
+
+
+def test_attention_across_the_batch_on_activations_is_refused():
+    """The same attention on the output of a Linear: that output is each example's query and every
+    example's key: examples interact, refused with the operation."""
+    with pytest.raises(jt.TagError, match="losses\\[i\\] depends on example j != i through"):
+        jt.per_example_norms(set_losses)(set_model(first=True), XS, YS)
+
+
 def test_has_aux():
     def losses(m, x, y):
         per = mse(m, x, y)

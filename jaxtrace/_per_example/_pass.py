@@ -204,7 +204,10 @@ class Call:
                 return None, "a layer applied to a value shared by every example is called once only"
             use_g = 0.0
             for name, use in self.shared_names[layer.path]:
-                use_g = use_g + shared_gradient(tag_cts[name], use, g.shape, self.proof, self.batch)
+                use_g = use_g + shared_gradient(tag_cts[name], use, self.proof, self.batch)
+            # each example's gradient in the program's layout of the output; ``x`` and ``g`` have the
+            # vmap axes first (an eqx.nn.Linear without bias under jax.vmap: (features, T) against (T, features))
+            use_g = jnp.transpose(use_g, (0, *(1 + a for a in occs[0].order)))
             return (jnp.broadcast_to(x, (self.batch, *x.shape)), use_g, (0, 1)), None
         where = self.proof.example_axis(layer.path, g.ndim, self.batch)
         if where is None:
@@ -300,9 +303,9 @@ class Call:
             x = self.values.get(name + INPUT_SUFFIX) if read.other is not None else None
             use = None
             if name in self.shared_names:  # each example's gradient where the shared output meets it
-                out_shape, n_loops = read.eqn.outvars[0].aval.shape, len(read.loops)  # (in scans: one per step)
+                n_loops = len(read.loops)  # (in scans: one per step)
                 g = sum(
-                    _over_steps(lambda c, u=u: shared_gradient(c, u, out_shape, self.proof, self.batch), n_loops)(tag_cts[n])
+                    _over_steps(lambda c, u=u: shared_gradient(c, u, self.proof, self.batch), n_loops)(tag_cts[n])
                     for n, u in self.shared_names[name]
                 )
                 dt = jnp.promote_types(dtypes[i], _compute_dtype(g.dtype))
@@ -321,8 +324,7 @@ class Call:
         for name, i in (self.whole | self.whole_steps).items():  # in scans: one cotangent per step, per scan
             loops = self.scan_loops.get(name, ())
             stepped = "stepped" in loops
-            shape = jnp.shape(plan.leaves[i])[1 if stepped else 0 :]
-            g = sum(_over_steps(lambda c, u=u: shared_gradient(c, u, shape, self.proof, self.batch), len(loops))(tag_cts[n])
+            g = sum(_over_steps(lambda c, u=u: shared_gradient(c, u, self.proof, self.batch), len(loops))(tag_cts[n])
                     for n, u in self.shared_names[name])
             # the whole leaf at every step of a scan that closes over it: each example's gradient sums over those steps
             g = g.sum(tuple(k for k, kind in enumerate(loops) if kind == "repeated"))

@@ -83,6 +83,15 @@ class Occurrence:
     params: dict = dataclasses.field(default_factory=dict)  # attribute -> Origin | None
     steps: int = 0  # enclosing scans
 
+    @property
+    def order(self) -> tuple:
+        """The axes of the output var (the program's layout) in the order of the value jaxtrace gives
+        for the tag: the ``jax.vmap`` axes (``batch_axes``) first, then the others. A vmapped Linear
+        without bias has its output as ``(features, positions)`` in the program, ``(positions,
+        features)`` as a value."""
+        batch_axes = tuple(int(a) for a in self.eqn.params.get("batch_axes", ()))
+        return (*batch_axes, *(i for i in range(len(shape_of(self.eqn.outvars[0]))) if i not in batch_axes))
+
 
 @dataclasses.dataclass
 class SharedUse:
@@ -125,9 +134,7 @@ class Proof:
             if where is None:
                 return None
             axis, inner = where
-            batch_axes = tuple(occ.eqn.params.get("batch_axes", ()))
-            order = (*batch_axes, *(i for i in range(len(shape)) if i not in batch_axes))
-            found.add((value_ndim - len(shape) + order.index(axis), inner))
+            found.add((value_ndim - len(shape) + occ.order.index(axis), inner))
         return found.pop() if len(found) == 1 else None
 
 
