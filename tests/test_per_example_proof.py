@@ -283,6 +283,41 @@ def test_attention_across_the_batch_on_activations_is_refused():
         jt.per_example_norms(set_losses)(set_model(first=True), XS, YS)
 
 
+# --- the example axis is never read from sizes: a batch of one, a batch as wide as the classes ------------
+
+
+def class_losses(model, x, labels):
+    import optax  # noqa: PLC0415
+
+    return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(model)(x), labels)
+
+
+def centred_logits(model, x, labels):  # the keepdims reduction, broadcast back, written out
+    h = jax.vmap(model)(x)
+    h = h - h.max(-1, keepdims=True)
+    return jnp.log(jnp.sum(jnp.exp(h), axis=-1)) - jnp.take_along_axis(h, labels[:, None], axis=-1)[:, 0]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("batch", [1, 3, 5])  # 1; as wide as the inputs (3); as the classes (5)
+def test_batch_of_one_and_batch_as_wide_as_an_axis_are_on_factors(jit, batch):
+    """Issue 51: ``B = 1`` (Poisson sampling, micro-batches of one) with a keepdims reduction broadcast back
+    was refused as "examples interact"; with one example nothing interacts. ``B`` equal to the classes' or
+    the inputs' size is no guess either."""
+    pytest.importorskip("optax")
+    model = eqx.nn.MLP(3, 5, 8, 1, key=KEYS[6])
+    x, labels = jax.random.normal(KEYS[7], (batch, 3)), jnp.arange(batch) % 5
+    check(class_losses, model, x, labels, jit=jit)
+    check(centred_logits, model, x, labels, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_batch_of_one_never_interacts(jit):
+    """A batch mean over one example, and attention over a batch of one, are that example's own."""
+    check(lambda m, x, y: centred(jax.vmap(m)(x)), MLP, X[:1], Y[:1], jit=jit)
+    check(set_losses, set_model(first=True), XS[:1], YS[:1], jit=jit)
+
+
 def test_has_aux():
     def losses(m, x, y):
         per = mse(m, x, y)

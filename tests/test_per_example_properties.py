@@ -203,6 +203,13 @@ CLASSES = {
         inputs=("linear",),
         interacting=True,
     ),
+    "batch_size": Cls(
+        "a batch of one (Poisson sampling), or a batch as wide as the features or the classes, with a cross-entropy "
+        "of one prediction per example whose logits are centred by their max over the classes (keepdims, broadcast "
+        "back, as optax.softmax_cross_entropy_with_integer_labels does)",
+        variants=("B=1", "B==d", "B==classes"),
+        factors=True,
+    ),
 }
 COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint", "vmap", "jvp", "jt_grad")
 
@@ -1018,6 +1025,25 @@ def b_batch_reduction(kit, p):
     return _across_batch(kit, p, lambda m, a: jax.nn.log_softmax(a, axis=0))
 
 
+def b_batch_size(kit, p):
+    classes = p.B if p.variant == "B==classes" else N_OUT + 1  # (B==d, B=1: the strategy sets d and B)
+    parts = common_parts(kit, p)
+    parts["head"] = kit.layer("linear", p.d, classes)
+
+    def fn(parts, x):
+        return head(kit, parts, body(kit, p, parts, front(kit, p, parts, x)))
+
+    x, _ = inputs(kit, p)
+    labels = jax.random.randint(kit.key(), (p.B,), 0, classes)
+
+    def fun(m, x, labels):  # optax.softmax_cross_entropy_with_integer_labels, written out
+        h = jnp.mean(kit.run(m, x), axis=1)  # (B, classes): one prediction per example
+        h = h - lax.stop_gradient(jnp.max(h, axis=-1, keepdims=True))
+        return jnp.log(jnp.sum(jnp.exp(h), axis=-1)) - jnp.take_along_axis(h, labels[:, None], axis=-1)[:, 0]
+
+    return Built(kit.model(parts, fn), fun, (x, labels), {})
+
+
 BUILDERS = {name[2:]: f for name, f in dict(globals()).items() if name.startswith("b_")}
 assert set(BUILDERS) == set(CLASSES), set(BUILDERS) ^ set(CLASSES)
 
@@ -1042,6 +1068,8 @@ def programs(draw, classes, first=None):
     inp = draw(st.sampled_from(c.inputs))
     body = tuple(draw(st.lists(st.sampled_from(BODY), max_size=2)))
     B, T, d = draw(st.integers(2, 4)), draw(st.integers(2, 3)), draw(st.integers(2, 3))
+    if cls == "batch_size":  # the batch's size is the class: one example, or as wide as the features
+        B, d = (1, d) if variant == "B=1" else (B, B) if variant == "B==d" else (B, d)
     return Prog(
         cls=cls,
         fw=fw,

@@ -146,8 +146,9 @@ class Call:
         # ``h + b[l]`` in a scan over ``b``; ``h + b`` in a scan whose body closes over ``b``
         self.whole_steps = {n: i for n, i in steps.items() if n in self.shared_names}
         names |= set(self.reads) | {n + INPUT_SUFFIX for n in self.reads}
-        run = self._traced  # the program again, with tags at the meetings and reads where there are any:
-        if self.proof.shared or self.reads:
+        run = self._traced  # the program again, with tags at the meetings and reads where there are any
+        # (not for one example: its gradient is the plain one, ``sq_norms`` and ``weighted_grads`` read no factors)
+        if self.batch > 1 and (self.proof.shared or self.reads):
             run = Replay(
                 self.jaxpr, self.consts, self._out_tree, self.proof, self.batch, self.shared_names, self.reads, plan.scope
             )

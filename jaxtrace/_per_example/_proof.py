@@ -307,9 +307,13 @@ class _Analysis:
             return old
         if isinstance(old, Every) and isinstance(new, Every):
             return old if old.kind == "mix" or new.kind != "mix" else new
-        # Two uses disagree: one example's element also reaches other examples' losses.
+        # Two uses disagree: one example's element also reaches other examples' losses. Not with one
+        # example: there every element that reaches a loss reaches example 0's, the only one, so "one
+        # example's" and "every example's" are the same claim (and ``axis_of`` may place a batch of one
+        # on any axis whose size fits: ``h - h.max(-1, keepdims=True)`` must not read as a broadcast
+        # along the examples).
         every = old if isinstance(old, Every) else new if isinstance(new, Every) else Every("mix", eqn)
-        if every.kind != "unknown" and self.mixing is None and inexact(var) and self.dep.get((ctx, var), False):
+        if every.kind != "unknown" and self.mixing is None and self.batch > 1 and inexact(var) and self.dep.get((ctx, var), False):
             where = every.eqn if every.eqn is not None else eqn
             self.mixing = (
                 f"losses[i] depends on example j != i through {_compat.construct(where)}: a value computed "
