@@ -14,7 +14,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HIGHEST", "Index", "Use", "examples_first", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
+__all__ = ["HIGHEST", "Index", "Use", "examples_first", "kept", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -178,8 +178,10 @@ def _batch_k(f):
     return f.ids.shape if isinstance(f, Index) else f.shape[:2]
 
 
-def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> jax.Array:
-    """``sum_i weights[i] g_i`` over examples, ``g_i`` the leaf's per-example gradient from ``uses``.
+def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype, keep: Optional[jax.Array] = None) -> jax.Array:
+    """``sum_i weights[i] g_i`` over examples, ``g_i`` the leaf's per-example gradient from ``uses``;
+    with ``keep`` (``(B,)`` bool), over the examples it keeps only: the others' rows of both factors are
+    zeros, not just weighted by zero (their weight is zero, but ``0 * nan`` is ``nan``).
 
     The batch gradient with each example scaled: one contraction per use, the size of the
     ordinary parameter gradient (no per-example gradient is formed). It is formed as the plain
@@ -195,13 +197,13 @@ def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> ja
                 k = u.a.ids.shape[1]
                 part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(jnp.repeat(w, k))
             else:
-                part = _contract(_row_weights(w, u.a), _rows(u, "a"))
+                part = _contract(_row_weights(w, u.a), kept(_rows(u, "a"), keep, u.a))
         elif isinstance(u.a, Index):
-            b = (u.b * w[:, None, None]).reshape(-1, u.b.shape[-1]).astype(dtype)
+            b = (kept(u.b, keep) * w[:, None, None]).reshape(-1, u.b.shape[-1]).astype(dtype)
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b)
         else:
             wk = _row_weights(w, u.a)[:, None]
-            a, b = _rows(u, "a"), _rows(u, "b")
+            a, b = kept(_rows(u, "a"), keep, u.a), kept(_rows(u, "b"), keep, u.a)
             part = _contract(a * wk, b) if u.out == "a" else _contract(a, b * wk)
         total = total + part
     return jnp.reshape(total, shape)
@@ -218,6 +220,15 @@ def _rows(u: Use, which: str) -> jax.Array:
 def _row_weights(w, f) -> jax.Array:
     """The weights ``(B,)`` repeated over the ``K`` rows of each example of ``f`` ``(B, K, d)``."""
     return w if f.shape[1] == 1 else jnp.repeat(w, f.shape[1])
+
+
+def kept(f, keep: Optional[jax.Array], rows_of=None) -> jax.Array:
+    """``f`` with the examples ``keep`` leaves out set to exact zeros: ``f`` is ``(B, ...)``, or with
+    ``rows_of`` (a ``(B, K, d)`` factor) its ``(B * K, d)`` rows. ``f`` itself where ``keep`` is None."""
+    if keep is None:
+        return f
+    rows = keep if rows_of is None else _row_weights(keep, rows_of)
+    return jnp.where(rows.reshape(-1, *[1] * (f.ndim - 1)), f, jnp.zeros((), f.dtype))
 
 
 def _contract(a, b) -> jax.Array:
