@@ -826,6 +826,16 @@ def test_a_non_finite_example_leaves_out_every_example_where_a_leaf_takes_the_ex
     close(jax.tree.leaves(grads), [jnp.zeros_like(g) for g in jax.tree.leaves(grads)])
 
 
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_nan_safe_false_gives_the_same_sum_on_a_finite_batch(under_jit):
+    from per_example_oracle import oracle_per_example
+
+    model, (ids, x, y) = mixed_model(), (jax.random.randint(jax.random.key(1), (4, 5), 0, 7), data(4, 5, 4), data(4, 5, 2, key=2))
+    clipped = jt.clipped_grad(mixed_losses, 0.5, nan_safe=False, fallback="error")
+    _, grads = (jit(clipped) if under_jit else clipped)(model, ids, x, y)
+    close(jax.tree.leaves(grads), jax.tree.leaves(oracle_per_example(mixed_losses, model, ids, x, y).clipped(0.5)))
+
+
 def test_clip_weights_leave_out_non_finite_norms():
     from jaxtrace._per_example import clip_weights
 

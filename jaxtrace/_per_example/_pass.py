@@ -26,7 +26,7 @@ from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
 from .._tag import opened
-from ._factors import Use, examples_first, kept, over_loops, with_rows
+from ._factors import Use, examples_first, finite, over_loops, with_rows
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
 from ._plan import plan_for
@@ -379,28 +379,29 @@ class Call:
                 out.append(jnp.sum(jnp.square(p).reshape(p.shape[0], -1), axis=1))
         return out
 
-    def weighted_grads(self, weights, keep=None):
-        """Per-leaf ``sum_i weights[i] g_i`` (the clipped sum, for clipping weights), in the leaves' dtypes;
-        with ``keep`` (``(B,)`` bool), over the examples it keeps only: the others contribute exact zeros
-        (a non-finite example's weight is zero, but its factors hold ``nan``, and ``0 * nan`` is ``nan``).
+    def weighted_grads(self, weights, nan_safe: bool = False):
+        """Per-leaf ``sum_i weights[i] g_i`` (the clipped sum, for clipping weights), in the leaves' dtypes.
+        With ``nan_safe``, the non-finite entries of the factors (and exact-path rows) read as zeros: an
+        example of weight 0 for a non-finite norm adds zeros (its factors hold ``nan``, and ``0 * nan`` is
+        ``nan``); one whose norm is finite has none.
 
         From the pass's factors (and the exact path's per-example gradients): no second pullback.
         """
         leaves, dtypes = self.plan.leaves, self._dtypes
         if self.batch == 1:
             leaf_cts, _ = self._first_pullback
-            one = [weights[0].astype(dt) * c.astype(dt) for c, dt in zip(leaf_cts, dtypes)]
-            one = one if keep is None else [jnp.where(keep[0], g, jnp.zeros((), g.dtype)) for g in one]
-            return [g.astype(c.dtype) for g, c in zip(one, leaf_cts)]
+            z = finite if nan_safe else (lambda c: c)
+            return [(weights[0].astype(dt) * z(c.astype(dt))).astype(c.dtype) for c, dt in zip(leaf_cts, dtypes)]
         uses, zero, _, _ = self._factors
         out = []
         for i, leaf in enumerate(leaves):
             if i in uses:
-                g = weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i], keep)
+                g = weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i], nan_safe)
             elif i in zero:
                 g = jnp.zeros(jnp.shape(leaf), dtypes[i])
             else:
-                g = jnp.tensordot(weights.astype(dtypes[i]), kept(self._exact_grads[i].astype(dtypes[i]), keep), 1)
+                rows = self._exact_grads[i].astype(dtypes[i])
+                g = jnp.tensordot(weights.astype(dtypes[i]), finite(rows) if nan_safe else rows, 1)
             out.append(g.astype(jnp.result_type(leaf)))
         return out
 

@@ -81,6 +81,7 @@ def clipped_grad(
     *,
     fallback: str = "vmap",
     has_aux: bool = False,
+    nan_safe: bool = True,
     count_nonfinite: bool = False,
 ) -> Callable:
     """The clipped sum of DP-SGD: ``sum_i min(1, max_norm / |g_i|) g_i``, without per-example gradients.
@@ -93,10 +94,11 @@ def clipped_grad(
     gradients. The result is differentiable in everything (``jax.grad`` around it works).
 
     An example whose squared gradient norm is not finite (a NaN or an infinity in its loss,
-    its inputs or its gradient) gets weight 0 and is left out of the sum (its factors are
-    zeroed, so that its NaN does not reach the others' sum), as jax-privacy's ``nan_safe``
-    clipping does; ``count_nonfinite=True`` returns how many were left out. The sum then
-    holds fewer examples than the batch: count them in what you divide by, or skip the step.
+    its inputs or its gradient) gets weight 0 and is left out of the sum, as jax-privacy's
+    ``nan_safe`` clipping does: the non-finite entries of the factors read as zeros, so that
+    its NaN does not reach the others' sum (``0 * nan`` is ``nan``); ``count_nonfinite=True``
+    returns how many were left out. The sum then holds fewer examples than the batch: count
+    them in what you divide by, or skip the step.
 
     Args:
         fun: ``fun(model, *batch, **kwargs)`` returns one loss per example, shape ``(B,)``
@@ -107,6 +109,10 @@ def clipped_grad(
         argnums: the position of the model, an equinox or Flax NNX module, untagged.
         fallback: as for ``per_example_norms``.
         has_aux: ``fun`` returns ``(losses, aux)``.
+        nan_safe: zero the factors' non-finite entries (the default). ``False`` keeps the
+            weights of 0 but touches no factor, so a left-out example's NaN still reaches the
+            sum; for steps known to be finite it saves an elementwise pass over each layer
+            input and, under FSDP, the all-gather XLA then does of that copy.
         count_nonfinite: also return the number of examples left out for a non-finite norm.
 
     Returns:
@@ -143,10 +149,9 @@ def clipped_grad(
         sq_total = functools.reduce(jnp.add, sq) if sq else jnp.zeros(call.losses.shape, jnp.float32)
         call.plan.write_back(call.state)
         value = (call.losses, call.aux) if has_aux else call.losses
-        finite = jnp.isfinite(sq_total)
-        grads = call.plan.out(call.weighted_grads(clip_weights(sq_total, max_norm), keep=finite))
+        grads = call.plan.out(call.weighted_grads(clip_weights(sq_total, max_norm), nan_safe=nan_safe))
         if count_nonfinite:
-            return value, grads, jnp.sum(~finite, dtype=jnp.int32)
+            return value, grads, jnp.sum(~jnp.isfinite(sq_total), dtype=jnp.int32)
         return value, grads
 
     return clipped_fun
