@@ -10,9 +10,11 @@ Embedding inside the model, a learned ``(T, d)`` table, a layer called twice or 
 shapes, a ``lax.scan`` over a ``filter_vmap``-built stack or over raw stacked arrays,
 ``jax.checkpoint``/``filter_jit`` inside, tables read by indexing, ties, transformed weights, freezing with ``eqx.partition`` (a norm's scale or bias alone too),
 negative ids, mixed dtypes, batch layouts, custom derivative rules that mix the examples in their
-derivative alone or keep them apart) or an *interacting* reduction over the batch (centring, BatchNorm-like, in-batch
-contrastive, a second call of the model on a batch statistic of its first outputs or on another
-example's outputs).
+derivative alone or keep them apart, a batch of one or as wide as the features or the classes) or an
+*interacting* reduction over the batch (centring, BatchNorm-like, in-batch contrastive, a second call of
+the model on a batch statistic of its first outputs or on another example's outputs), or examples
+meeting over the example axis, on the inputs or on the outputs (attention with the batch as the
+sequence, a sort, a cumulative sum, a gather, a max or log-softmax).
 Every program returns losses of shape ``(B,)``.
 
 The oracle is the definition (``tests/per_example_oracle.py``): row ``i`` of ``jax.jacrev`` of
