@@ -401,7 +401,10 @@ def per_example_fsdp_collectives():
     last layer's output gradient), and at most two all-reduces are added (the norms; the last bias,
     weighted after them). Not yet the target of issue 33 (the plain step plus one all-reduce): XLA
     gathers the B clipping weights and the last layer's weighted output gradient
-    (docs/performance.md, Collectives under FSDP).
+    (docs/performance.md, Collectives under FSDP). That is ``nan_safe=False``'s sum; the default
+    (``nan_safe=True``, issue 51) zeroes the non-finite entries of each factor, an elementwise copy
+    of each layer input that XLA gathers again: each all-gather it adds is one the plain step does
+    (a layer input, once more), and it adds no all-reduce.
     """
     import equinox as eqx
 
@@ -441,7 +444,8 @@ def _fsdp_collectives(name, model, x, y, losses, plain, by_vmap, fsdp, mesh, exa
     import equinox as eqx
 
     norms = lambda m, x, y: jt.per_example_norms(losses, total=True)(m, x, y)[1]  # noqa: E731
-    clipped = lambda m, x, y: jt.clipped_grad(losses, 1.0)(m, x, y)[1]  # noqa: E731
+    clipped = lambda m, x, y: jt.clipped_grad(losses, 1.0, nan_safe=False)(m, x, y)[1]  # noqa: E731
+    safe = lambda m, x, y: jt.clipped_grad(losses, 1.0)(m, x, y)[1]  # noqa: E731
     for dtype in (jnp.float64, jnp.float32):
         m, xb = jax.tree_util.tree_map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, (model, x))
         arrays, static = eqx.partition(m, eqx.is_array)
@@ -449,12 +453,13 @@ def _fsdp_collectives(name, model, x, y, losses, plain, by_vmap, fsdp, mesh, exa
         batch = tuple(jax.device_put(b, NamedSharding(mesh, P("fsdp"))) for b in (xb, y))
         steps = {
             name: jax.jit(lambda a, *b, f=f: f(eqx.combine(a, static), *b))
-            for name, f in (("plain", plain), ("norms", norms), ("clipped", clipped))
+            for name, f in (("plain", plain), ("norms", norms), ("clipped", clipped), ("safe", safe))
         }
         if dtype == jnp.float64:
             want_sq, want_g = by_vmap(m, xb, y, 1.0)  # unsharded: one device
             close(steps["norms"](sharded, *batch), want_sq, f"per_example_norms, FSDP, {name}")
             close(eqx.filter(steps["clipped"](sharded, *batch), eqx.is_array), eqx.filter(want_g, eqx.is_array), f"clipped_grad, FSDP, {name}")
+            close(eqx.filter(steps["safe"](sharded, *batch), eqx.is_array), eqx.filter(want_g, eqx.is_array), f"clipped_grad nan_safe, FSDP, {name}")
             continue
         ops = {n: collectives(s.lower(sharded, *batch).compile().as_text()) for n, s in steps.items()}
         base, got = by_kind(ops["plain"]), by_kind(ops["norms"])
@@ -472,6 +477,13 @@ def _fsdp_collectives(name, model, x, y, losses, plain, by_vmap, fsdp, mesh, exa
         assert not big, f"clipped_grad, {name}: all-gathers {big} beyond the plain step's, larger than (B, 10): a factor moved"
         reduces = by_kind(ops["clipped"]).get("all-reduce", 0)
         assert reduces <= base.get("all-reduce", 0) + 2, f"clipped_grad, {name}: {reduces} all-reduces, the plain step {base}"
+        added = [op for op in ops["safe"] if op[0] == "all-gather"]
+        for op in ops["clipped"]:
+            if op in added:
+                added.remove(op)
+        again = [op for op in added if op not in ops["plain"]]
+        assert not again, f"clipped_grad nan_safe, {name}: all-gathers {again} beyond nan_safe=False's that the plain step does not do"
+        assert by_kind(ops["safe"]).get("all-reduce", 0) == reduces, f"clipped_grad nan_safe, {name}: {by_kind(ops['safe'])}, nan_safe=False {by_kind(ops['clipped'])}"
 
 
 # --- shard_map -------------------------------------------------------------------

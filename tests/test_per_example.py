@@ -730,6 +730,140 @@ def test_clipped_sum_costs_one_backward_pass():
     assert clipped <= 1.1 * plain, (clipped, plain)  # a second backward pass: 1.28x here
 
 
+# --- clipping guard rails (issue 51, item 7) ----------------------------------------------------------
+
+
+class Mixed(eqx.Module):
+    """An Embedding (its factor is the ids), a Conv1d, a Linear and a raw scale: all on factors; with
+    ``through=jnp.sin`` the scale takes the exact path."""
+
+    emb: eqx.nn.Embedding
+    conv: eqx.nn.Conv1d
+    lin: eqx.nn.Linear
+    scale: jax.Array
+    through: object = eqx.field(static=True, default=None)
+
+    def __call__(self, ids, x):  # ids (T,), x (T, 4)
+        h = jnp.tanh(self.conv((jax.vmap(self.emb)(ids) + x).T).T)
+        return jax.vmap(self.lin)(h) * (self.scale if self.through is None else self.through(self.scale))
+
+
+def mixed_losses(model, ids, x, y):
+    return jnp.sum((jax.vmap(model)(ids, x) - y) ** 2, axis=(1, 2))
+
+
+def mixed_model(through=None):
+    k = jax.random.split(KEY, 3)
+    conv = eqx.nn.Conv1d(4, 4, 3, padding=1, key=k[1])
+    return to_dtype(Mixed(eqx.nn.Embedding(7, 4, key=k[0]), conv, eqx.nn.Linear(4, 2, key=k[2]), jnp.ones(2), through))
+
+
+class Stacked(eqx.Module):
+    """Linear layers stacked with eqx.filter_vmap and run by lax.scan (one slice per step), on ``Mixed``'s inputs."""
+
+    layers: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __call__(self, ids, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        h, _ = jax.lax.scan(lambda h, d: (jnp.tanh(jax.vmap(eqx.combine(d, static))(h)), None), x + ids[:, None], dynamic)
+        return jax.vmap(self.out)(h)
+
+
+def stacked_model():
+    k = jax.random.split(KEY, 4)
+    return to_dtype(Stacked(eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 4, key=k))(k[:3]), eqx.nn.Linear(4, 2, key=k[3])))
+
+
+def bad_batch(n, bad):
+    """``(ids, x, y)`` of ``n`` examples, a NaN in the inputs of example ``bad[0]``, an infinity in ``bad[1]``'s."""
+    ids = jax.random.randint(jax.random.key(1), (n, 5), 0, 7)
+    x, y = data(n, 5, 4), data(n, 5, 2, key=2)
+    x = x.at[bad[0], 2].set(jnp.nan)
+    return ids, (x.at[bad[1], 0, 1].set(jnp.inf) if len(bad) > 1 else x), y
+
+
+@pytest.mark.parametrize("under_jit", [False, True])
+@pytest.mark.parametrize("bad", [(1,), (0, 2), (0,)], ids=["one", "two", "batch_of_one"])
+@pytest.mark.parametrize("make", [mixed_model, stacked_model], ids=["mixed", "stacked"])
+def test_a_non_finite_example_is_left_out_and_counted(under_jit, bad, make):
+    """An example whose gradient norm is NaN or infinite gets weight 0 and none of its NaN reaches the
+    others' sum (its factors are zeroed, not only weighted by zero): the clipped sum is the definition's
+    over the other examples; ``count_nonfinite=True`` says how many were left out."""
+    from per_example_oracle import oracle_per_example
+
+    model = make()
+    n = 1 if bad == (0,) else 4
+    ids, x, y = bad_batch(n, bad)
+    good = jnp.asarray([i for i in range(n) if i not in bad], jnp.int32)
+    c = 0.5
+
+    def ours(m, *batch):
+        return jt.clipped_grad(mixed_losses, c, fallback="error", count_nonfinite=True)(m, *batch)
+
+    losses, grads, left_out = (jit(ours) if under_jit else ours)(model, ids, x, y)
+    assert int(left_out) == len(bad)
+    assert not np.all(np.isfinite(np.asarray(losses)))  # the losses are as they are
+    if len(good):
+        expected = oracle_per_example(mixed_losses, model, ids[good], x[good], y[good]).clipped(c)
+    else:
+        expected = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    close(jax.tree.leaves(grads), jax.tree.leaves(expected))
+    # without the option: the same sum, two results as documented
+    _, plain = (jit(jt.clipped_grad(mixed_losses, c)) if under_jit else jt.clipped_grad(mixed_losses, c))(model, ids, x, y)
+    close(jax.tree.leaves(plain), jax.tree.leaves(expected))
+
+
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_a_non_finite_example_leaves_out_every_example_where_a_leaf_takes_the_exact_path(under_jit):
+    """The exact path pulls each example's basis vector back through the whole batch: the bad example's NaN
+    reaches every row there (``0 * nan``), so no example's norm is finite: all are left out, and counted."""
+    model = mixed_model(through=jnp.sin)
+    ids, x, y = bad_batch(4, (1,))
+    clipped = jt.clipped_grad(mixed_losses, 0.5, count_nonfinite=True)
+    _, grads, left_out = (jit(clipped) if under_jit else clipped)(model, ids, x, y)
+    assert int(left_out) == 4
+    close(jax.tree.leaves(grads), [jnp.zeros_like(g) for g in jax.tree.leaves(grads)])
+
+
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_nan_safe_false_gives_the_same_sum_on_a_finite_batch(under_jit):
+    from per_example_oracle import oracle_per_example
+
+    model, (ids, x, y) = mixed_model(), (jax.random.randint(jax.random.key(1), (4, 5), 0, 7), data(4, 5, 4), data(4, 5, 2, key=2))
+    clipped = jt.clipped_grad(mixed_losses, 0.5, nan_safe=False, fallback="error")
+    _, grads = (jit(clipped) if under_jit else clipped)(model, ids, x, y)
+    close(jax.tree.leaves(grads), jax.tree.leaves(oracle_per_example(mixed_losses, model, ids, x, y).clipped(0.5)))
+
+
+def test_clip_weights_leave_out_non_finite_norms():
+    from jaxtrace._per_example import clip_weights
+
+    sq = jnp.array([0.0, 1.0, 16.0, jnp.nan, jnp.inf, -jnp.inf])
+    assert clip_weights(sq, 2.0).tolist() == [1.0, 1.0, 0.5, 0.0, 0.0, 0.0]
+    grad = jax.grad(lambda s: jnp.sum(clip_weights(s, 2.0)))(sq)
+    assert np.all(np.isfinite(np.asarray(grad)))  # no NaN derivative from a left-out example
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, -1, float("inf"), float("nan"), np.float32(-0.5)])
+def test_a_negative_or_non_finite_bound_is_an_error(max_norm):
+    from jaxtrace._per_example import clip_weights
+
+    with pytest.raises(ValueError, match="max_norm must be a finite number >= 0"):
+        jt.clipped_grad(mixed_losses, max_norm)
+    with pytest.raises(ValueError, match="max_norm must be a finite number >= 0"):
+        clip_weights(jnp.ones(3), max_norm)
+
+
+def test_a_traced_negative_bound_gives_nan():
+    """Under jit the bound is known on device only: a negative one cannot raise there, so it shows in the sum."""
+    model = mixed_model()
+    ids, x, y = jax.random.randint(jax.random.key(1), (3, 5), 0, 7), data(3, 5, 4), data(3, 5, 2, key=2)
+    clipped = jax.jit(lambda c: jt.clipped_grad(mixed_losses, c)(model, ids, x, y)[1])
+    assert all(np.all(np.isnan(np.asarray(g))) for g in jax.tree.leaves(clipped(-1.0)))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(clipped(0.0)))
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=SLOW), pytest.param(jnp.bfloat16, marks=SLOW)])
 def test_low_precision(dtype):
     """The norms accumulate in float32 at least; compared with the float64 oracle on the same weights."""

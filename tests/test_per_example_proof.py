@@ -238,6 +238,86 @@ def test_data_mixed_before_any_weight_is_not_refused():
     check(lambda m, x, y: mse(m, x - jnp.mean(x, axis=0), y), MLP, X, Y, jit=False)
 
 
+# --- examples that meet through attention across the batch (issue 51) ------------------------
+
+
+class SetModel(eqx.Module):
+    """A set model: attention with the batch as the sequence (each example's query reads every
+    example's key and value), then a Linear per row. ``first``: a Linear per row before it."""
+
+    attn: eqx.nn.MultiheadAttention
+    lin: eqx.nn.Linear
+    first: object = None
+
+    def __call__(self, x):  # x (B, d): the whole batch
+        h = x if self.first is None else jnp.tanh(jax.vmap(self.first)(x))
+        return jax.vmap(self.lin)(self.attn(h, h, h))
+
+
+def set_model(first=False):
+    k = jax.random.split(KEYS[3], 3)
+    return SetModel(eqx.nn.MultiheadAttention(2, D, key=k[0]), eqx.nn.Linear(D, 3, key=k[1]), eqx.nn.Linear(D, D, key=k[2]) if first else None)
+
+
+def set_losses(model, x, y):
+    return jnp.sum((model(x) - y) ** 2, axis=-1)
+
+
+XS, YS = jax.random.normal(KEYS[4], (B, D)), jax.random.normal(KEYS[5], (B, 3))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_attention_across_the_batch_on_the_inputs_is_the_definition(jit):
+    """Issue 51: attention applied to the inputs with the batch as the sequence. The keys and values are
+    layer outputs every example's query reads; each example's gradient at them comes from where they meet
+    the queries, and it is on factors. Their projections (``eqx.nn.Linear`` without bias, under
+    ``jax.vmap``) have their outputs as ``(features, B)`` in the program: that gradient read in the value's
+    ``(B, features)`` layout was silently off (65% on the key projection's norms)."""
+    check(set_losses, set_model(), XS, YS, jit=jit)
+
+
+def test_attention_across_the_batch_on_activations_is_refused():
+    """The same attention on the output of a Linear: that output is each example's query and every
+    example's key: examples interact, refused with the operation."""
+    with pytest.raises(jt.TagError, match="losses\\[i\\] depends on example j != i through"):
+        jt.per_example_norms(set_losses)(set_model(first=True), XS, YS)
+
+
+# --- the example axis is never read from sizes: a batch of one, a batch as wide as the classes ------------
+
+
+def class_losses(model, x, labels):
+    import optax  # noqa: PLC0415
+
+    return optax.softmax_cross_entropy_with_integer_labels(jax.vmap(model)(x), labels)
+
+
+def centred_logits(model, x, labels):  # the keepdims reduction, broadcast back, written out
+    h = jax.vmap(model)(x)
+    h = h - h.max(-1, keepdims=True)
+    return jnp.log(jnp.sum(jnp.exp(h), axis=-1)) - jnp.take_along_axis(h, labels[:, None], axis=-1)[:, 0]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("batch", [1, 3, 5])  # 1; as wide as the inputs (3); as the classes (5)
+def test_batch_of_one_and_batch_as_wide_as_an_axis_are_on_factors(jit, batch):
+    """Issue 51: ``B = 1`` (Poisson sampling, micro-batches of one) with a keepdims reduction broadcast back
+    was refused as "examples interact"; with one example nothing interacts. ``B`` equal to the classes' or
+    the inputs' size is no guess either."""
+    pytest.importorskip("optax")
+    model = eqx.nn.MLP(3, 5, 8, 1, key=KEYS[6])
+    x, labels = jax.random.normal(KEYS[7], (batch, 3)), jnp.arange(batch) % 5
+    check(class_losses, model, x, labels, jit=jit)
+    check(centred_logits, model, x, labels, jit=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_batch_of_one_never_interacts(jit):
+    """A batch mean over one example, and attention over a batch of one, are that example's own."""
+    check(lambda m, x, y: centred(jax.vmap(m)(x)), MLP, X[:1], Y[:1], jit=jit)
+    check(set_losses, set_model(first=True), XS[:1], YS[:1], jit=jit)
+
+
 def test_has_aux():
     def losses(m, x, y):
         per = mse(m, x, y)

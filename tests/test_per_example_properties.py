@@ -10,9 +10,11 @@ Embedding inside the model, a learned ``(T, d)`` table, a layer called twice or 
 shapes, a ``lax.scan`` over a ``filter_vmap``-built stack or over raw stacked arrays,
 ``jax.checkpoint``/``filter_jit`` inside, tables read by indexing, ties, transformed weights, freezing with ``eqx.partition`` (a norm's scale or bias alone too),
 negative ids, mixed dtypes, batch layouts, custom derivative rules that mix the examples in their
-derivative alone or keep them apart) or an *interacting* reduction over the batch (centring, BatchNorm-like, in-batch
-contrastive, a second call of the model on a batch statistic of its first outputs or on another
-example's outputs).
+derivative alone or keep them apart, a batch of one or as wide as the features or the classes) or an
+*interacting* reduction over the batch (centring, BatchNorm-like, in-batch contrastive, a second call of
+the model on a batch statistic of its first outputs or on another example's outputs), or examples
+meeting over the example axis, on the inputs or on the outputs (attention with the batch as the
+sequence, a sort, a cumulative sum, a gather, a max or log-softmax).
 Every program returns losses of shape ``(B,)``.
 
 The oracle is the definition (``tests/per_example_oracle.py``): row ``i`` of ``jax.jacrev`` of
@@ -177,6 +179,38 @@ CLASSES = {
         "custom rules that keep each example's positions apart: the mixing rules above inside jax.vmap over the "
         "examples, jax.nn.relu and jax.nn.softmax (custom_jvp), a backward pass clipping each element",
         variants=("vmap_vjp", "vmap_jvp", "relu_softmax", "clip"),
+    ),
+    # Examples meeting over the example axis (issue 51), on the inputs (data mixed before any weight: the
+    # examples' layers stay on factors) or on the model's outputs (a value both one example's and every
+    # example's: refused; or reaching the losses only through the mixing: the exact path).
+    "batch_attention": Cls(
+        "attention with the batch as the sequence (a set model: each example's query reads every example's key and "
+        "value), eqx.nn.MultiheadAttention (NNX: nnx.MultiHeadAttention), on the inputs or on the model's outputs",
+        variants=("inputs", "outputs"),
+        inputs=("linear",),
+        interacting=True,
+    ),
+    "batch_sort": Cls("the inputs or the model's outputs sorted over the example axis", variants=("inputs", "outputs"), inputs=("linear",), interacting=True),
+    "batch_cumsum": Cls("a cumulative sum over the example axis of the inputs or of the outputs", variants=("inputs", "outputs"), inputs=("linear",), interacting=True),
+    "batch_gather": Cls(
+        "the inputs or the outputs gathered over the example axis by a fixed permutation (example i reads example "
+        "i + 1's)",
+        variants=("inputs", "outputs"),
+        inputs=("linear",),
+        interacting=True,
+    ),
+    "batch_reduction": Cls(
+        "a max over the example axis subtracted from the inputs, or a log-softmax over the example axis of the outputs",
+        variants=("inputs", "outputs"),
+        inputs=("linear",),
+        interacting=True,
+    ),
+    "batch_size": Cls(
+        "a batch of one (Poisson sampling), or a batch as wide as the features or the classes, with a cross-entropy "
+        "of one prediction per example whose logits are centred by their max over the classes (keepdims, broadcast "
+        "back, as optax.softmax_cross_entropy_with_integer_labels does)",
+        variants=("B=1", "B==d", "B==classes"),
+        factors=True,
     ),
 }
 COMPOSITIONS = ("jit", "grad_norms", "grad_clipped", "checkpoint", "vmap", "jvp", "jt_grad")
@@ -938,6 +972,80 @@ def b_custom_rule_per_example(kit, p):
     return standard(kit, p, {}, lambda parts, h: jax.vmap(custom)(h))
 
 
+def _across_batch(kit, p, mix, extra=None):
+    """The batched program (the model's parts and ``extra``) with ``mix`` (a function of ``(m, a)``, ``a``'s
+    leading axis the examples') on the inputs or on the model's outputs, as ``p.variant`` says."""
+    built = standard(kit, p, extra or {}, lambda parts, h: h)
+    if p.variant == "inputs":
+        fun = lambda m, x, y: mse(kit.run(m, mix(m, x)), y)  # noqa: E731
+    else:
+        fun = lambda m, x, y: mse(mix(m, kit.run(m, x)), y)  # noqa: E731
+    return dataclasses.replace(built, fun=fun)
+
+
+def attention64(q, k, v, **_):
+    """Dot-product attention written out (``(..., L, heads, d)`` each): flax's takes its softmax in float32,
+    which holds the definition only to float32 rounding (see the guide)."""
+    scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / jnp.sqrt(q.shape[-1])
+    return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+def b_batch_attention(kit, p):
+    width = p.T * (p.d if p.variant == "inputs" else N_OUT)  # each example one token of all its features
+    heads = 2 if width % 2 == 0 else 1
+    if kit.eqx:
+        attn = eqx.nn.MultiheadAttention(heads, width, key=kit.key())  # its projections without bias, equinox's default
+    else:
+        attn = nnx.MultiHeadAttention(
+            heads, width, decode=False, rngs=nnx.Rngs(kit.key()), param_dtype=F64, dtype=F64, attention_fn=attention64
+        )
+
+    def across(m, a):  # a (B, ...): the batch is the sequence, each example one token
+        flat = a.reshape(a.shape[0], -1)
+        out = m.parts["attn"](flat, flat, flat) if kit.eqx else m.attn(flat)
+        return out.reshape(a.shape)
+
+    return _across_batch(kit, p, across, {"attn": attn})
+
+
+def b_batch_sort(kit, p):
+    return _across_batch(kit, p, lambda m, a: jnp.sort(a, axis=0))
+
+
+def b_batch_cumsum(kit, p):
+    return _across_batch(kit, p, lambda m, a: jnp.cumsum(a, axis=0) / jnp.arange(1, a.shape[0] + 1).reshape(-1, *[1] * (a.ndim - 1)))
+
+
+def b_batch_gather(kit, p):
+    perm = jnp.asarray((np.arange(p.B) + 1) % p.B)
+    return _across_batch(kit, p, lambda m, a: a[perm])
+
+
+def b_batch_reduction(kit, p):
+    if p.variant == "inputs":
+        return _across_batch(kit, p, lambda m, a: a - jnp.max(a, axis=0))
+    return _across_batch(kit, p, lambda m, a: jax.nn.log_softmax(a, axis=0))
+
+
+def b_batch_size(kit, p):
+    classes = p.B if p.variant == "B==classes" else N_OUT + 1  # (B==d, B=1: the strategy sets d and B)
+    parts = common_parts(kit, p)
+    parts["head"] = kit.layer("linear", p.d, classes)
+
+    def fn(parts, x):
+        return head(kit, parts, body(kit, p, parts, front(kit, p, parts, x)))
+
+    x, _ = inputs(kit, p)
+    labels = jax.random.randint(kit.key(), (p.B,), 0, classes)
+
+    def fun(m, x, labels):  # optax.softmax_cross_entropy_with_integer_labels, written out
+        h = jnp.mean(kit.run(m, x), axis=1)  # (B, classes): one prediction per example
+        h = h - lax.stop_gradient(jnp.max(h, axis=-1, keepdims=True))
+        return jnp.log(jnp.sum(jnp.exp(h), axis=-1)) - jnp.take_along_axis(h, labels[:, None], axis=-1)[:, 0]
+
+    return Built(kit.model(parts, fn), fun, (x, labels), {})
+
+
 BUILDERS = {name[2:]: f for name, f in dict(globals()).items() if name.startswith("b_")}
 assert set(BUILDERS) == set(CLASSES), set(BUILDERS) ^ set(CLASSES)
 
@@ -959,15 +1067,20 @@ def programs(draw, classes, first=None):
     variant = draw(st.sampled_from(active_variants(cls)))
     if (cls, variant) in {("batch_centring", "hidden"), ("batch_norm", "nnx_batchnorm")}:
         fw = "nnx"
+    inp = draw(st.sampled_from(c.inputs))
+    body = tuple(draw(st.lists(st.sampled_from(BODY), max_size=2)))
+    B, T, d = draw(st.integers(2, 4)), draw(st.integers(2, 3)), draw(st.integers(2, 3))
+    if cls == "batch_size":  # the batch's size is the class: one example, or as wide as the features
+        B, d = (1, d) if variant == "B=1" else (B, B) if variant == "B==d" else (B, d)
     return Prog(
         cls=cls,
         fw=fw,
         variant=variant,
-        inp=draw(st.sampled_from(c.inputs)),
-        body=tuple(draw(st.lists(st.sampled_from(BODY), max_size=2))),
-        B=draw(st.integers(2, 4)),
-        T=draw(st.integers(2, 3)),
-        d=draw(st.integers(2, 3)),
+        inp=inp,
+        body=body,
+        B=B,
+        T=T,
+        d=d,
         seed=draw(st.integers(0, 2**16)),
         raw=draw(st.sampled_from((True, False))),
         # quick and ci run each program once, eager or under jit (ci's six a class draw both modes);

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factors import HIGHEST, Use
+from ._factors import HIGHEST, Use, finite
 
 __all__ = ["ConvUse", "conv_pads", "conv_sq_norm", "conv_weighted_sum"]
 
@@ -160,14 +160,17 @@ def conv_sq_norm(uses: list, dtype) -> jax.Array:
     return jnp.sum(jnp.square(grad).reshape(grad.shape[0], -1), axis=1)
 
 
-def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype) -> jax.Array:
-    """``sum_i weights[i] G_i`` of one convolution call, in the leaf's ``shape``.
+def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
+    """``sum_i weights[i] G_i`` of one convolution call, in the leaf's ``shape``; with ``nan_safe``, the
+    non-finite entries of its input and output gradient read as zeros (``_factors.weighted_sum``).
 
     From ``G_i`` (the very contraction the norm forms, so that the two share it in one program)
     where the norm takes that route; else one contraction per kernel offset with the weighted
     output gradient, the size of the ordinary weight gradient.
     """
     w = weights.astype(dtype)
+    if nan_safe:
+        use = dataclasses.replace(use, x=finite(use.x), g=finite(use.g))
     if not use.gram():
         return jnp.reshape(jnp.tensordot(w, use.per_example(dtype), 1), shape)
     return jnp.reshape(use._by_offset(use._g(dtype) * w[:, None, None, None], False, dtype), shape)

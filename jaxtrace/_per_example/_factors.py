@@ -14,7 +14,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HIGHEST", "Index", "Use", "examples_first", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
+__all__ = ["HIGHEST", "Index", "Use", "examples_first", "finite", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -178,8 +178,12 @@ def _batch_k(f):
     return f.ids.shape if isinstance(f, Index) else f.shape[:2]
 
 
-def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> jax.Array:
+def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
     """``sum_i weights[i] g_i`` over examples, ``g_i`` the leaf's per-example gradient from ``uses``.
+
+    With ``nan_safe``, the factors' non-finite entries read as zeros (``finite``): an example left out
+    for a non-finite norm (weight 0) then adds exact zeros, not ``0 * nan``; one whose norm is finite
+    has no such entry (each entry of its factors enters its norm).
 
     The batch gradient with each example scaled: one contraction per use, the size of the
     ordinary parameter gradient (no per-example gradient is formed). It is formed as the plain
@@ -189,19 +193,20 @@ def weighted_sum(uses: list[Use], weights: jax.Array, shape: tuple, dtype) -> ja
     XLA gather each layer's input over the batch again: issue 33, +61% bytes under FSDP).
     """
     total, w = 0.0, weights.astype(dtype)
+    z = finite if nan_safe else (lambda f: f)
     for u in uses:
         if u.b is None:
             if isinstance(u.a, Index):
                 k = u.a.ids.shape[1]
                 part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(jnp.repeat(w, k))
             else:
-                part = _contract(_row_weights(w, u.a), _rows(u, "a"))
+                part = _contract(_row_weights(w, u.a), z(_rows(u, "a")))
         elif isinstance(u.a, Index):
-            b = (u.b * w[:, None, None]).reshape(-1, u.b.shape[-1]).astype(dtype)
+            b = (z(u.b) * w[:, None, None]).reshape(-1, u.b.shape[-1]).astype(dtype)
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b)
         else:
             wk = _row_weights(w, u.a)[:, None]
-            a, b = _rows(u, "a"), _rows(u, "b")
+            a, b = z(_rows(u, "a")), z(_rows(u, "b"))
             part = _contract(a * wk, b) if u.out == "a" else _contract(a, b * wk)
         total = total + part
     return jnp.reshape(total, shape)
@@ -218,6 +223,12 @@ def _rows(u: Use, which: str) -> jax.Array:
 def _row_weights(w, f) -> jax.Array:
     """The weights ``(B,)`` repeated over the ``K`` rows of each example of ``f`` ``(B, K, d)``."""
     return w if f.shape[1] == 1 else jnp.repeat(w, f.shape[1])
+
+
+def finite(f) -> jax.Array:
+    """``f`` with its NaN and infinite entries zeros. Elementwise on ``f`` alone, so that a sharded factor
+    stays as it is sharded (a mask of the examples, from their norms, had XLA gather the factors)."""
+    return jnp.where(jnp.isfinite(f), f, jnp.zeros((), f.dtype))
 
 
 def _contract(a, b) -> jax.Array:

@@ -31,12 +31,12 @@ def _sq_norm(uses: list, dtype) -> jax.Array:
     return factors_sq_norm([u.expand(dtype) if c else u for u, c in zip(uses, convs)], dtype)
 
 
-def _weighted_sum(uses: list, weights: jax.Array, shape: tuple, dtype) -> jax.Array:
+def _weighted_sum(uses: list, weights: jax.Array, shape: tuple, dtype, nan_safe: bool) -> jax.Array:
     """``sum_i weights[i] g_i`` over examples, in the leaf's ``shape``."""
     rest = [u for u in uses if not isinstance(u, ConvUse)]
-    parts = [conv_weighted_sum(u, weights, shape, dtype) for u in uses if isinstance(u, ConvUse)]
+    parts = [conv_weighted_sum(u, weights, shape, dtype, nan_safe) for u in uses if isinstance(u, ConvUse)]
     if rest or not parts:
-        parts.append(factors_weighted_sum(rest, weights, shape, dtype))
+        parts.append(factors_weighted_sum(rest, weights, shape, dtype, nan_safe))
     return sum(parts[1:], parts[0])
 
 
@@ -51,13 +51,14 @@ def sq_norm(uses: list, dtype) -> jax.Array:
     return total
 
 
-def weighted_sum(uses: list, weights, shape: tuple, dtype) -> jax.Array:
-    """``sum_i weights[i] g_i`` over examples, in the leaf's ``shape``, from the leaf's uses."""
+def weighted_sum(uses: list, weights, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
+    """``sum_i weights[i] g_i`` over examples, in the leaf's ``shape``, from the leaf's uses; with
+    ``nan_safe``, non-finite factor entries read as zeros (an example of weight 0 adds zeros, not ``0 * nan``)."""
     whole = [u for u in uses if not isinstance(u, tuple)]
     steps = [u[1] for u in uses if isinstance(u, tuple)]
     if not steps:
-        return _weighted_sum(whole, weights, shape, dtype)
-    per_step = jax.vmap(lambda us: _weighted_sum(us, weights, shape[1:], dtype))(steps)
+        return _weighted_sum(whole, weights, shape, dtype, nan_safe)
+    per_step = jax.vmap(lambda us: _weighted_sum(us, weights, shape[1:], dtype, nan_safe))(steps)
     return jnp.reshape(per_step, shape)
 
 

@@ -142,11 +142,19 @@ class Replay:
         return jnp.moveaxis(out, len(lb), axis)
 
 
-def shared_gradient(ct, use, shape, proof, batch: int):
+def shared_gradient(ct, use, proof, batch: int):
     """Each example's gradient ``(batch, *shape)`` at a shared value from the cotangent ``ct`` of its
-    broadcast where it meets the examples (``use``, a ``_proof.SharedUse``)."""
+    broadcast where it meets the examples (``use``, a ``_proof.SharedUse``).
+
+    ``shape`` is the value's own in the program (the operand of ``use.chain``'s first equation, or of
+    the meeting), read from the use and never passed in: the chain replays the program's equations,
+    so only the program's layout is right for it. A value whose layout differs (a layer output that
+    jaxtrace gives with its vmap axes first) is the caller's to move (``_proof.Occurrence.order``).
+    """
     axis, _ = proof.axis_at(use.eqn.outvars[0], batch, use.ctx)
     chain = use.chain
+    start = chain[0].invars[0] if chain else use.eqn.invars[use.index]
+    shape = tuple(start.aval.shape)
 
     def forward(y):
         for eqn in chain:
@@ -154,7 +162,7 @@ def shared_gradient(ct, use, shape, proof, batch: int):
         return y
 
     operand_aval = use.eqn.invars[use.index].aval
-    back = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, operand_aval.dtype if not chain else chain[0].invars[0].aval.dtype))
+    back = jax.linear_transpose(forward, jax.ShapeDtypeStruct(shape, start.aval.dtype))
     if use.eqn.primitive.name == "dot_general":  # (B, *operand): each example's cotangent already
         return jax.vmap(lambda c: back(c.astype(operand_aval.dtype))[0])(ct)
     if use.eqn.primitive.name == "broadcast_in_dim":  # the broadcast along the examples: one example's copy
@@ -163,7 +171,7 @@ def shared_gradient(ct, use, shape, proof, batch: int):
             (out,) = bind_equation(use.eqn, [forward(y)])
             return jax.lax.index_in_dim(out, 0, axis, keepdims=False)
 
-        back = jax.linear_transpose(one_copy, jax.ShapeDtypeStruct(shape, chain[0].invars[0].aval.dtype if chain else operand_aval.dtype))
+        back = jax.linear_transpose(one_copy, jax.ShapeDtypeStruct(shape, start.aval.dtype))
         return jax.vmap(lambda c: back(c.astype(use.eqn.outvars[0].aval.dtype))[0])(jnp.moveaxis(ct, axis, 0))
     ct = jnp.moveaxis(ct, axis, 0)  # (B, ...): one example's cotangent each, of the broadcast shape
 

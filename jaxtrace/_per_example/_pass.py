@@ -27,7 +27,7 @@ from .._module_tags import INPUT_SUFFIX
 from .._sites import TagError
 from .._stateful import lift
 from .._tag import opened
-from ._factors import Use, examples_first, over_loops, with_rows
+from ._factors import Use, examples_first, finite, over_loops, with_rows
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
 from ._plan import plan_for
@@ -152,8 +152,9 @@ class Call:
         # ``h + b[l]`` in a scan over ``b``; ``h + b`` in a scan whose body closes over ``b``
         self.whole_steps = {n: i for n, i in steps.items() if n in self.shared_names}
         names |= set(self.reads) | {n + INPUT_SUFFIX for n in self.reads}
-        run = self._traced  # the program again, with tags at the meetings and reads where there are any:
-        if self.proof.shared or self.reads:
+        run = self._traced  # the program again, with tags at the meetings and reads where there are any
+        # (not for one example: its gradient is the plain one, ``sq_norms`` and ``weighted_grads`` read no factors)
+        if self.batch > 1 and (self.proof.shared or self.reads):
             run = Replay(
                 self.jaxpr, self.consts, self._out_tree, self.proof, self.batch, self.shared_names, self.reads, plan.scope
             )
@@ -227,7 +228,10 @@ class Call:
                 return None, "a layer applied to a value shared by every example is called once only"
             use_g = 0.0
             for name, use in self.shared_names[layer.path]:
-                use_g = use_g + shared_gradient(tag_cts[name], use, g.shape, self.proof, self.batch)
+                use_g = use_g + shared_gradient(tag_cts[name], use, self.proof, self.batch)
+            # each example's gradient in the program's layout of the output; ``x`` and ``g`` have the
+            # vmap axes first (an eqx.nn.Linear without bias under jax.vmap: (features, T) against (T, features))
+            use_g = jnp.transpose(use_g, (0, *(1 + a for a in occs[0].order)))
             return (jnp.broadcast_to(x, (self.batch, *x.shape)), use_g, (0, 1)), None
         where = self.proof.example_axis(layer.path, g.ndim, self.batch)
         if where is None:
@@ -323,9 +327,9 @@ class Call:
             x = self.values.get(name + INPUT_SUFFIX) if read.other is not None else None
             use = None
             if name in self.shared_names:  # each example's gradient where the shared output meets it
-                out_shape, n_loops = read.eqn.outvars[0].aval.shape, len(read.loops)  # (in scans: one per step)
+                n_loops = len(read.loops)  # (in scans: one per step)
                 g = sum(
-                    _over_steps(lambda c, u=u: shared_gradient(c, u, out_shape, self.proof, self.batch), n_loops)(tag_cts[n])
+                    _over_steps(lambda c, u=u: shared_gradient(c, u, self.proof, self.batch), n_loops)(tag_cts[n])
                     for n, u in self.shared_names[name]
                 )
                 dt = jnp.promote_types(dtypes[i], _compute_dtype(g.dtype))
@@ -344,8 +348,7 @@ class Call:
         for name, i in (self.whole | self.whole_steps).items():  # in scans: one cotangent per step, per scan
             loops = self.scan_loops.get(name, ())
             stepped = "stepped" in loops
-            shape = jnp.shape(plan.leaves[i])[1 if stepped else 0 :]
-            g = sum(_over_steps(lambda c, u=u: shared_gradient(c, u, shape, self.proof, self.batch), len(loops))(tag_cts[n])
+            g = sum(_over_steps(lambda c, u=u: shared_gradient(c, u, self.proof, self.batch), len(loops))(tag_cts[n])
                     for n, u in self.shared_names[name])
             # the whole leaf at every step of a scan that closes over it: each example's gradient sums over those steps
             g = g.sum(tuple(k for k, kind in enumerate(loops) if kind == "repeated"))
@@ -411,24 +414,29 @@ class Call:
             for i in range(len(self.plan.leaves))
         ]
 
-    def weighted_grads(self, weights):
+    def weighted_grads(self, weights, nan_safe: bool = False):
         """Per-leaf ``sum_i weights[i] g_i`` (the clipped sum, for clipping weights), in the leaves' dtypes.
+        With ``nan_safe``, the non-finite entries of the factors (and exact-path rows) read as zeros: an
+        example of weight 0 for a non-finite norm adds zeros (its factors hold ``nan``, and ``0 * nan`` is
+        ``nan``); one whose norm is finite has none.
 
         From the pass's factors (and the exact path's per-example gradients): no second pullback.
         """
         leaves, dtypes = self.plan.leaves, self._dtypes
         if self.batch == 1:
             leaf_cts, _ = self._first_pullback
-            return [(weights[0].astype(dt) * c.astype(dt)).astype(c.dtype) for c, dt in zip(leaf_cts, dtypes)]
+            z = finite if nan_safe else (lambda c: c)
+            return [(weights[0].astype(dt) * z(c.astype(dt))).astype(c.dtype) for c, dt in zip(leaf_cts, dtypes)]
         uses, zero, _, _ = self._factors
         out = []
         for i, leaf in enumerate(leaves):
             if i in uses:
-                g = weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i])
+                g = weighted_sum(uses[i], weights, jnp.shape(leaf), dtypes[i], nan_safe)
             elif i in zero:
                 g = jnp.zeros(jnp.shape(leaf), dtypes[i])
             else:
-                g = jnp.tensordot(weights.astype(dtypes[i]), self._exact_grads[i].astype(dtypes[i]), 1)
+                rows = self._exact_grads[i].astype(dtypes[i])
+                g = jnp.tensordot(weights.astype(dtypes[i]), finite(rows) if nan_safe else rows, 1)
             out.append(g.astype(jnp.result_type(leaf)))
         return out
 

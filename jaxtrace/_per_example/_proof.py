@@ -83,6 +83,15 @@ class Occurrence:
     params: dict = dataclasses.field(default_factory=dict)  # attribute -> Origin | None
     steps: int = 0  # enclosing scans
 
+    @property
+    def order(self) -> tuple:
+        """The axes of the output var (the program's layout) in the order of the value jaxtrace gives
+        for the tag: the ``jax.vmap`` axes (``batch_axes``) first, then the others. A vmapped Linear
+        without bias has its output as ``(features, positions)`` in the program, ``(positions,
+        features)`` as a value."""
+        batch_axes = tuple(int(a) for a in self.eqn.params.get("batch_axes", ()))
+        return (*batch_axes, *(i for i in range(len(shape_of(self.eqn.outvars[0]))) if i not in batch_axes))
+
 
 @dataclasses.dataclass
 class SharedUse:
@@ -125,9 +134,7 @@ class Proof:
             if where is None:
                 return None
             axis, inner = where
-            batch_axes = tuple(occ.eqn.params.get("batch_axes", ()))
-            order = (*batch_axes, *(i for i in range(len(shape)) if i not in batch_axes))
-            found.add((value_ndim - len(shape) + order.index(axis), inner))
+            found.add((value_ndim - len(shape) + occ.order.index(axis), inner))
         return found.pop() if len(found) == 1 else None
 
 
@@ -300,9 +307,13 @@ class _Analysis:
             return old
         if isinstance(old, Every) and isinstance(new, Every):
             return old if old.kind == "mix" or new.kind != "mix" else new
-        # Two uses disagree: one example's element also reaches other examples' losses.
+        # Two uses disagree: one example's element also reaches other examples' losses. Not with one
+        # example: there every element that reaches a loss reaches example 0's, the only one, so "one
+        # example's" and "every example's" are the same claim (and ``axis_of`` may place a batch of one
+        # on any axis whose size fits: ``h - h.max(-1, keepdims=True)`` must not read as a broadcast
+        # along the examples).
         every = old if isinstance(old, Every) else new if isinstance(new, Every) else Every("mix", eqn)
-        if every.kind != "unknown" and self.mixing is None and inexact(var) and self.dep.get((ctx, var), False):
+        if every.kind != "unknown" and self.mixing is None and self.batch > 1 and inexact(var) and self.dep.get((ctx, var), False):
             where = every.eqn if every.eqn is not None else eqn
             self.mixing = (
                 f"losses[i] depends on example j != i through {_compat.construct(where)}: a value computed "
