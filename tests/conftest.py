@@ -1,7 +1,7 @@
 """Shared fixtures, and the ``--long`` option.
 
 The default run (``python -m pytest -q -n auto tests``, the README's command) checks the contract in
-about five minutes on two cores: the tests listed in ``heavy_tests.txt`` (each 2.5 s or more there) run
+about five minutes on two cores: the tests listed in ``heavy_tests.txt`` (each 2 s or more there) run
 with ``--long`` or ``JAXTRACE_HEAVY=1``, as ``.ci/run`` does. ``--long`` (one cell of ``.ci/run`` passes it) adds what takes long: tests
 marked ``long`` or ``slow`` (the examples, the two-process run), the eager variant of tests
 marked ``long_eager`` (the heaviest models, whose jit variant always runs), and the property tests' long profile
