@@ -30,8 +30,12 @@ from ._errors import TagError as TagError
 from ._tag import tag as tag
 from . import _vmap_cond  # noqa: F401  (teaches jax.vmap of lax.cond to mask the tags in its branches)
 from . import stats as stats
+from ._stateful import register_room as _register_room
 from ._version import __version__ as __version__
 
+# NNX state (RNG counts, batch statistics) is lifted into every transform's trace by the Flax room,
+# loaded by name when a program first holds an NNX object: the core below names no integration.
+_register_room("flax.nnx", lambda: __import__("jaxtrace.flax._state", fromlist=["lift"]))
 
 __all__ = [
     "tag",

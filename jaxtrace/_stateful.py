@@ -1,19 +1,28 @@
 """Arguments whose state a call changes (Flax NNX objects): moved into a transform's trace and written back.
 
 Every transform that traces the user's function asks ``lift`` first. It answers ``None`` unless
-Flax NNX is loaded and an NNX object is among the function and its arguments; then the Flax
-room (``jaxtrace.flax._state``) gives a ``Lift``, whose function returns ``(out, changed)`` and
-whose ``write_back(changed)`` leaves the objects as one plain call leaves them (RNG counts,
-batch statistics). The core never imports Flax: a Flax object means Flax is loaded.
+a framework with such state is loaded and one of its objects is among the function and its
+arguments; then that framework's room gives a ``Lift``, whose function returns ``(out, changed)``
+and whose ``write_back(changed)`` leaves the objects as one plain call leaves them (RNG counts,
+batch statistics). The rooms are registered from above (``jaxtrace/__init__.py`` registers the
+Flax room, ``jaxtrace.flax._state``), so the core names no integration: a Flax object means
+Flax is loaded, and the room is loaded on first need.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any, Callable
 
-__all__ = ["lift"]
+__all__ = ["lift", "register_room"]
+
+_ROOMS: list[tuple[str, Callable[[], Any]]] = []
+
+
+def register_room(package: str, load: Callable[[], Any]) -> None:
+    """Handle the objects of ``package`` (``"flax.nnx"``) with the room ``load()`` returns, once
+    ``package`` is imported: the room has ``lift(fun, args, kwargs, keep=, skip=)``."""
+    _ROOMS.append((package, load))
 
 
 def lift(fun: Callable, args, kwargs: dict, *, keep=(), skip=()) -> Any:
@@ -22,9 +31,7 @@ def lift(fun: Callable, args, kwargs: dict, *, keep=(), skip=()) -> Any:
     ``keep``: positions the transform traces as pytrees (its differentiated arguments), written
     back but not lifted; ``skip``: positions left alone (a model the caller rebuilds itself).
     """
-    if sys.modules.get("flax.nnx") is None:
-        return None
-    # The Flax room, loaded by name: the core sits below the integrations and imports none of them;
-    # with Flax loaded, loading the room costs nothing new.
-    room = importlib.import_module("jaxtrace.flax._state")
-    return room.lift(fun, args, kwargs, keep=keep, skip=skip)
+    for package, load in _ROOMS:
+        if sys.modules.get(package) is not None:  # with the package loaded, its room costs nothing new
+            return load().lift(fun, args, kwargs, keep=keep, skip=skip)
+    return None
