@@ -6,7 +6,6 @@ import dataclasses
 import json
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -113,8 +112,7 @@ def per_example_audit(fun: Callable, argnums: int = 0, *, has_aux: bool = False,
 
     Returns:
         A function of ``fun``'s arguments giving a ``PerExampleAudit``. It runs outside
-        ``jax.jit`` (it reads numbers back), leaves the model's state as it found it (an NNX
-        model's statistics and RNG counts are not advanced), and raises what
+        ``jax.jit`` (it reads numbers back) and raises what
         ``per_example_norms`` raises (examples that interact).
 
     Example:
@@ -132,7 +130,7 @@ def per_example_audit(fun: Callable, argnums: int = 0, *, has_aux: bool = False,
         call = Call(fun, argnums, "vmap", has_aux, args, kwargs)
         sq_norms = call.sq_norms()
         fast = [np.sqrt(np.asarray(sq)) for sq in sq_norms]
-        definition = [np.sqrt(np.asarray(sq)) for sq in _definition(call)]
+        definition = [np.sqrt(np.asarray(sq)) for sq in call.definition_sq_norms()]
         dtype = jnp.dtype(sq_norms[0].dtype) if sq_norms else jnp.dtype(jnp.float32)
         plan = call.plan
         leaves = []
@@ -151,16 +149,3 @@ def per_example_audit(fun: Callable, argnums: int = 0, *, has_aux: bool = False,
 
     return audit
 
-
-def _definition(call: Call) -> list:
-    """Each leaf's per-example squared norms by the definition: ``jax.jacrev`` of the losses vector,
-    through the untagged model."""
-    plan = call.plan
-
-    def losses(leaves):
-        out = call._call_with(leaves, model_fn=plan.plain_model)
-        return out[0] if call.has_aux else out
-
-    rows = jax.jacrev(losses)(list(plan.leaves))
-    dtypes = call._dtypes
-    return [jnp.sum(jnp.square(r.astype(dt)).reshape(r.shape[0], -1), axis=1) for r, dt in zip(rows, dtypes)]

@@ -402,6 +402,17 @@ class Call:
                 out.append(jnp.sum(jnp.square(p).reshape(p.shape[0], -1), axis=1))
         return out
 
+    def definition_sq_norms(self) -> list:
+        """Each leaf's per-example squared norms by the definition, for the audit: ``jax.jacrev`` of
+        the losses vector through the untagged model (a pullback per example, every leaf)."""
+
+        def losses(leaves):
+            out = self._call_with(leaves, model_fn=self.plan.plain_model)
+            return out[0] if self.has_aux else out
+
+        rows = jax.jacrev(losses)(list(self.plan.leaves))
+        return [jnp.sum(jnp.square(r.astype(dt)).reshape(r.shape[0], -1), axis=1) for r, dt in zip(rows, self._dtypes)]
+
     def leaf_paths(self) -> list[tuple[str, str]]:
         """Per leaf, in the order of ``plan.leaves``: ``(path, why)``, the path ``sq_norms`` takes
         (``"factors"``, ``"zero"``, ``"exact"`` or, for one example, ``"batch of one"``) and, for the
