@@ -683,6 +683,8 @@ COMPOSITION_EXAMPLES = [
     # leaf (the max of no entries made the tangents nan), and with a jt.grad inside
     ([("tagmix", "bfloat16")], [("jt_stats", False)], ("jvp",)),
     ([("checkpoint", "dots", [("tagmix", "bfloat16"), ("unary", "cos")])], [("jt_grad", "grad"), ("jt_stats", False)], ("jvp",)),
+    # found by the grammar: jt.capture of a function with no tag gives an empty result (NoTags)
+    ([("unary", "cos")], [], ("capture",)),
     # the refusals: a patch of a function that differentiates through the tag
     (CAPTURED, [("jt_grad", "grad"), ("patch_value", 0)], ("capture",)),
     (CAPTURED, [("jax_jvp",), ("patch_grad", 0)], ("vag", "grad")),
