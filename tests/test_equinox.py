@@ -928,3 +928,43 @@ def test_filter_jacrev_has_aux_tags_and_errors():
     # jt.stats.jacrev on such a model points to filter_jacrev.
     with pytest.raises(TypeError, match="jt.filter_jacrev"):
         jt.stats.jacrev(lambda m, x: losses(m, x)[0])(model, jnp.ones(2))
+
+
+def test_tag_modules_keyword_composes_with_jax_and_jaxtrace_transforms():
+    """jt.filter_grad(loss, tag_modules=True) inside jax.vmap, jax.grad and jit, around a checkpoint, and inside an
+    outer jt.grad, each against the + eps oracle composed with the same JAX transform."""
+    model = mlp()
+    xs, ys = jax.random.normal(KEYS[13], (4, 3)), jax.random.normal(KEYS[14], (4, 2))
+    names = [":in", "", "layers.0:in", "layers.0", "layers.1:in", "layers.1", "layers.2:in", "layers.2"]
+    eps = {n: jnp.zeros(2 if n in ("", "layers.2") else 3 if n in (":in", "layers.0:in") else 5) for n in names}
+
+    def tag_grads(model, x, y):  # the transform under test
+        return jt.filter_grad(mlp_loss, tag_modules=True, module_inputs=True)(model, x, y)[1]
+
+    def oracle(model, x, y):
+        return eps_oracle(lambda e: mlp_oracle(model, e, x, y), eps)
+
+    # jax.vmap over examples around it
+    assert_close(jax.vmap(tag_grads, in_axes=(None, 0, 0))(model, xs, ys), jax.vmap(oracle, in_axes=(None, 0, 0))(model, xs, ys))
+    # jax.grad around it: a second derivative, by the input and by the parameters
+    square = lambda g: sum(jnp.sum(v**2) for v in jax.tree_util.tree_leaves(g))  # noqa: E731
+    assert_close(
+        jax.grad(lambda x: square(tag_grads(model, x, ys[0])))(xs[0]),
+        jax.grad(lambda x: square(oracle(model, x, ys[0])))(xs[0]),
+    )
+    assert_close(
+        eqx.filter_grad(lambda m: square(tag_grads(m, xs[0], ys[0])))(model),
+        eqx.filter_grad(lambda m: square(oracle(m, xs[0], ys[0])))(model),
+    )
+    # eqx.filter_checkpoint (jax.checkpoint) inside the loss, and eqx.filter_jit around everything
+    remat_loss = eqx.filter_checkpoint(mlp_loss)
+    got = eqx.filter_jit(jt.filter_grad(remat_loss, tag_modules=True, module_inputs=True))(model, xs[1], ys[1])[1]
+    assert_close(got, oracle(model, xs[1], ys[1]))
+    # an outer jt.grad: the input's tag sees the path through the inner transform's tag gradients
+    def outer(x):
+        x = jt.tag(x, "x")
+        return square(tag_grads(model, x, ys[2]))
+
+    gx, outer_tags = jt.grad(outer)(xs[2])
+    want = jax.grad(lambda x: square(oracle(model, x, ys[2])))(xs[2])
+    assert_close((gx, outer_tags["x"]), (want, want))
