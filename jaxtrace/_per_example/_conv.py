@@ -3,14 +3,17 @@
 Example ``i``'s weight gradient of a convolution is, for each kernel offset ``k``, the input
 shifted by ``k`` (a strided slice of the padded, dilated input) against the output gradient:
 ``G_i[o, c, k] = sum_t g_i[o, t] x_i[c, t + k]``. ``ConvUse`` holds one call's input and output
-gradient and forms ``G_i`` from those slices, one batched contraction per offset, never the
-``(B, T, C * prod(k))`` patches (``conv_general_dilated_patches`` builds them with a one-hot
-convolution, several times the cost of the layer on XLA:CPU). From ``G_i``: the squared norm,
-and the clipped sum ``sum_i w_i G_i`` (the same ``G_i``, shared by the two in one program).
-A grouped convolution (``feature_group_count = G``; depthwise: ``G = C``) contracts each group's
-output channels with that group's input channels alone: the leaf is ``(O, C / G, *k)`` and the
-same contractions run with a group axis. Where the Gram ("ghost") form takes fewer multiplications (few output positions ``T`` against
-wide channels) the norm comes from the patches, built from the same slices.
+gradient and forms ``G_i`` as one block per offset, one batched contraction of the shifted input
+(channels last) against ``g`` each, never the ``(B, T, C * prod(k))`` patches
+(``conv_general_dilated_patches`` builds them with a one-hot convolution, several times the cost
+of the layer on XLA:CPU; on issue 33's CNN one contraction over concatenated patches cost more
+than the nine). From the blocks: the squared norm, and the clipped sum ``sum_i w_i G_i`` (the same
+blocks, shared by the two in one program). A grouped convolution (``feature_group_count = G``;
+depthwise: ``G = C``) contracts each group's output channels with that group's input channels
+alone: the leaf is ``(O, C / G, *k)`` and the same contractions run with a group axis. Where the
+Gram ("ghost") form takes fewer multiplications (few output positions ``T`` against wide
+channels) the norm comes from the patches, built from the same slices, and the clipped sum is the
+convolution's own weight gradient of the weighted ``g``.
 """
 
 from __future__ import annotations
@@ -194,24 +197,18 @@ def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype, nan
     program) where the norm takes that route; else the convolution's own weight gradient of the
     weighted output gradient, as the plain backward forms it.
 
-    ``nan_safe`` on the ``G_i`` route: the plain sum, and only where it is not finite the sum of
-    ``G_i`` with its non-finite entries zeroed (a ``lax.cond``: a finite step pays no pass over
-    ``G_i``). The two agree: an example whose norm is finite has a finite ``G_i``, formed from the
-    same entries as from zeroed ``x`` and ``g`` (a non-finite entry of ``x`` or ``g`` that enters a
-    product makes ``G_i`` non-finite: ``inf * 0`` is ``nan``); one whose norm is not has weight 0
-    and adds zeros; and a plain sum that is finite took in no non-finite entry.
+    ``nan_safe`` on the ``G_i`` route zeroes the non-finite entries of ``G_i``'s blocks, not those of
+    ``x`` and ``g`` (which would form ``G_i`` a second time): the same sum. An example whose norm is
+    finite has a finite ``G_i``, formed from the same entries either way (a non-finite entry of ``x``
+    or ``g`` that enters a product makes ``G_i`` non-finite: ``inf * 0`` is ``nan``); one whose norm
+    is not has weight 0, and adds zeros either way. (A ``lax.cond`` that zeroed only where the plain
+    sum is not finite was no faster on the CNN, within the noise of XLA:CPU, and its branch held
+    an all-reduce of its own under FSDP.)
     """
     w = weights.astype(dtype)
     if not use.gram():
-        blocks = use.per_offset(dtype)
-
-        def total(zero):
-            return jnp.reshape(use.leaf_layout([jnp.tensordot(w, zero(k), 1) for k in blocks]), shape)
-
-        plain = total(lambda k: k)
-        if not nan_safe:
-            return plain
-        return jax.lax.cond(jnp.all(jnp.isfinite(plain)), lambda: plain, lambda: total(finite))
+        zero = finite if nan_safe else (lambda k: k)
+        return jnp.reshape(use.leaf_layout([jnp.tensordot(w, zero(k), 1) for k in use.per_offset(dtype)]), shape)
     if nan_safe:
         use = dataclasses.replace(use, x=finite(use.x), g=finite(use.g))
     g = use.g.astype(dtype) * w.reshape(-1, *[1] * (use.g.ndim - 1))
