@@ -3,14 +3,17 @@
 Example ``i``'s weight gradient of a convolution is, for each kernel offset ``k``, the input
 shifted by ``k`` (a strided slice of the padded, dilated input) against the output gradient:
 ``G_i[o, c, k] = sum_t g_i[o, t] x_i[c, t + k]``. ``ConvUse`` holds one call's input and output
-gradient and forms ``G_i`` from those slices, one batched contraction per offset, never the
-``(B, T, C * prod(k))`` patches (``conv_general_dilated_patches`` builds them with a one-hot
-convolution, several times the cost of the layer on XLA:CPU). From ``G_i``: the squared norm,
-and the clipped sum ``sum_i w_i G_i`` (the same ``G_i``, shared by the two in one program).
-A grouped convolution (``feature_group_count = G``; depthwise: ``G = C``) contracts each group's
-output channels with that group's input channels alone: the leaf is ``(O, C / G, *k)`` and the
-same contractions run with a group axis. Where the Gram ("ghost") form takes fewer multiplications (few output positions ``T`` against
-wide channels) the norm comes from the patches, built from the same slices.
+gradient and forms ``G_i`` as one block per offset, one batched contraction of the shifted input
+(channels last) against ``g`` each, never the ``(B, T, C * prod(k))`` patches
+(``conv_general_dilated_patches`` builds them with a one-hot convolution, several times the cost
+of the layer on XLA:CPU; on issue 33's CNN one contraction over concatenated patches cost more
+than the nine). From the blocks: the squared norm, and the clipped sum ``sum_i w_i G_i`` (the same
+blocks, shared by the two in one program). A grouped convolution (``feature_group_count = G``;
+depthwise: ``G = C``) contracts each group's output channels with that group's input channels
+alone: the leaf is ``(O, C / G, *k)`` and the same contractions run with a group axis. Where the
+Gram ("ghost") form takes fewer multiplications (few output positions ``T`` against wide
+channels) the norm comes from the patches, built from the same slices, and the clipped sum is the
+convolution's own weight gradient of the weighted ``g``.
 """
 
 from __future__ import annotations
@@ -71,55 +74,81 @@ class ConvUse:
         return self.positions * (ck + o) < ck * o
 
     def _shifted(self, dtype) -> list:
-        """The input seen by each kernel offset (C order): ``(B, L, C, T)`` each."""
+        """The input seen by each kernel offset (C order), channels last: ``(B, L, T, C)`` each.
+
+        Channels last, as XLA:CPU lays out a convolution's operands: each view is then a strided
+        copy of whole channel rows of the padded input, and each offset's contraction over ``T`` reads
+        its rows as they lie (channels first, every view was a transposing copy).
+        """
         b, l, c = self.x.shape[:3]
-        xs = self.x.reshape(b * l, c, *self.x.shape[3:]).astype(dtype)
-        config = [(0, 0, 0), (0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(self.pads, self.lhs_dilation)]
+        xs = jnp.moveaxis(self.x.reshape(b * l, c, *self.x.shape[3:]).astype(dtype), 1, -1)
+        config = [(0, 0, 0)] + [(lo, hi, d - 1) for (lo, hi), d in zip(self.pads, self.lhs_dilation)] + [(0, 0, 0)]
         xp = jax.lax.pad(xs, jnp.zeros((), dtype), config)
         out = self.g.shape[3:]
         views = []
         for offset in np.ndindex(*self.kernel):
             start = [k * d for k, d in zip(offset, self.rhs_dilation)]
             stop = [s + (n - 1) * st + 1 for s, n, st in zip(start, out, self.strides)]
-            view = jax.lax.slice(xp, (0, 0, *start), (b * l, c, *stop), (1, 1, *self.strides))
-            views.append(view.reshape(b, l, c, -1))
+            view = jax.lax.slice(xp, (0, *start, 0), (b * l, *stop, c), (1, *self.strides, 1))
+            views.append(view.reshape(b, l, -1, c))
         return views
 
     def _g(self, dtype):
+        """The output gradient ``(B, L, G, O / G, T)``: channels split by group."""
         b, l, o = self.g.shape[:3]
-        return self.g.reshape(b, l, o, -1).astype(dtype)
+        return self.g.reshape(b, l, self.groups, o // self.groups, -1).astype(dtype)
 
-    def _by_offset(self, g, per_example: bool, dtype) -> jax.Array:
-        """The shifted inputs against the output gradient ``g`` ``(B, L, O, T)``, one contraction per
-        kernel offset, in the leaf's layout: ``(B, *leaf shape)`` (``per_example``) or the leaf's shape
-        (summed over the examples). Groups: each group's output channels against its input channels."""
-        spec, lead = ("blgct,blgot->bgoc", g.shape[:1]) if per_example else ("blgct,blgot->goc", ())
-        gg = self._grouped(g)
-        parts = [jnp.einsum(spec, self._grouped(v), gg, precision=HIGHEST) for v in self._shifted(dtype)]
-        grad = jnp.stack(parts, axis=-1).reshape(*lead, g.shape[2], self.x.shape[2] // self.groups, *self.kernel)
+    def _grouped(self, v) -> jax.Array:
+        """A view ``(B, L, T, C)`` -> ``(B, L, T, G, C / G)``: the channels split by group."""
+        return v.reshape(*v.shape[:3], self.groups, v.shape[3] // self.groups)
+
+    def per_offset(self, dtype) -> list:
+        """``G_i`` as one block per kernel offset (C order): ``(B, G, O / G, C / G)`` each, the shifted
+        input against the output gradient, one batched contraction per offset. Kept apart, the blocks
+        give the squared norm and the weighted sum without a copy of ``G_i`` into the leaf's layout."""
+        g = self._g(dtype)
+        return [jnp.einsum("bltgc,blgot->bgoc", self._grouped(v), g, precision=HIGHEST) for v in self._shifted(dtype)]
+
+    def leaf_layout(self, blocks: list) -> jax.Array:
+        """Blocks of ``per_offset`` (each ``(*lead, G, O / G, C / G)``, ``lead`` the examples' axis or
+        none) in the leaf's layout: ``(*lead, O, C / G, *k)``, or ``(*lead, *k, C / G, O)`` where ``out_last``."""
+        grad = jnp.stack(blocks, axis=-1)
+        lead = grad.shape[:-4]
+        grad = grad.reshape(*lead, self.g.shape[2], self.x.shape[2] // self.groups, *self.kernel)
         axes = (len(lead), len(lead) + 1)
         return jnp.moveaxis(grad, axes, (-1, -2)) if self.out_last else grad
 
-    def _grouped(self, v) -> jax.Array:
-        """``(B, L, C, T)`` -> ``(B, L, G, C / G, T)``: the channels split by group."""
-        b, l, c, t = v.shape
-        return v.reshape(b, l, self.groups, c // self.groups, t)
-
     def per_example(self, dtype) -> jax.Array:
-        """``G_i`` for every example, ``(B, *leaf shape)``: one contraction per kernel offset."""
-        return self._by_offset(self._g(dtype), True, dtype)
+        """``G_i`` for every example, ``(B, *leaf shape)``."""
+        return self.leaf_layout(self.per_offset(dtype))
+
+    def weight_grad(self, cotangent, dtype) -> jax.Array:
+        """The convolution's own weight gradient (summed over the examples) for an output gradient
+        ``cotangent`` shaped like ``g``, in the leaf's layout: XLA's weight-gradient convolution, as the
+        plain backward forms it."""
+        b, l, c = self.x.shape[:3]
+        x = self.x.reshape(b * l, c, *self.x.shape[3:]).astype(dtype)
+        kernel = jnp.zeros((self.g.shape[2], c // self.groups, *self.kernel), dtype)
+
+        def conv(w):
+            return jax.lax.conv_general_dilated(
+                x, w, self.strides, self.pads, self.lhs_dilation, self.rhs_dilation,  # (N, C, *S), (O, I, *k)
+                feature_group_count=self.groups, precision=HIGHEST)
+
+        ct = cotangent.reshape(b * l, *cotangent.shape[2:]).astype(dtype)
+        grad = jax.vjp(conv, kernel)[1](ct)[0]  # (O, C / G, *k)
+        return jnp.moveaxis(grad, (0, 1), (-1, -2)) if self.out_last else grad
 
     def _patches(self, dtype) -> tuple:
         """Each group's input patches and output gradients at every position: ``(B, G, L * T, C / G * K)``
         (the patch features in the leaf's order, ``(C / G, *k)``, or ``(*k, C / G)`` where ``out_last``)
         and ``(B, G, L * T, O / G)``."""
         b, l, o = self.g.shape[:3]
-        p = jnp.stack([self._grouped(v) for v in self._shifted(dtype)], axis=4)  # (B, L, G, C/G, K, T)
-        p = jnp.moveaxis(p, 5, 2)  # (B, L, T, G, C/G, K)
+        p = jnp.stack([self._grouped(v) for v in self._shifted(dtype)], axis=-1)  # (B, L, T, G, C/G, K)
         if self.out_last:
-            p = jnp.swapaxes(p, 4, 5)
-        p = jnp.moveaxis(p.reshape(b, l * p.shape[2], self.groups, -1), 2, 1)
-        gv = jnp.moveaxis(self._grouped(self._g(dtype)), 4, 2)  # (B, L, T, G, O/G)
+            p = jnp.swapaxes(p, -1, -2)
+        p = jnp.moveaxis(p.reshape(b, -1, self.groups, p.shape[4] * p.shape[5]), 2, 1)
+        gv = jnp.moveaxis(self._g(dtype), 4, 2)  # (B, L, T, G, O/G)
         gv = jnp.moveaxis(gv.reshape(b, -1, self.groups, o // self.groups), 2, 1)
         return p, gv
 
@@ -152,25 +181,35 @@ def conv_sq_norm(uses: list, dtype) -> jax.Array:
     """The squared norm per example of a leaf whose uses are all convolution calls, ``(B,)``.
 
     One call: the Gram form where it is smaller, else ``|G_i|^2``. Several calls of one
-    convolution: ``|sum of their G_i|^2``.
+    convolution: ``|sum of their G_i|^2``. ``G_i`` block by block (``ConvUse.per_offset``).
     """
     if len(uses) == 1 and uses[0].gram():
         return uses[0].gram_sq_norm(dtype)
-    grad = sum(u.per_example(dtype) for u in uses)
-    return jnp.sum(jnp.square(grad).reshape(grad.shape[0], -1), axis=1)
+    blocks = [sum(parts) for parts in zip(*(u.per_offset(dtype) for u in uses))]
+    return sum(jnp.sum(jnp.square(k).reshape(k.shape[0], -1), axis=1) for k in blocks)
 
 
 def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
     """``sum_i weights[i] G_i`` of one convolution call, in the leaf's ``shape``; with ``nan_safe``, the
     non-finite entries of its input and output gradient read as zeros (``_factors.weighted_sum``).
 
-    From ``G_i`` (the very contraction the norm forms, so that the two share it in one program)
-    where the norm takes that route; else one contraction per kernel offset with the weighted
-    output gradient, the size of the ordinary weight gradient.
+    From ``G_i``'s blocks (the very contractions the norm forms, so that the two share them in one
+    program) where the norm takes that route; else the convolution's own weight gradient of the
+    weighted output gradient, as the plain backward forms it.
+
+    ``nan_safe`` on the ``G_i`` route zeroes the non-finite entries of ``G_i``'s blocks, not those of
+    ``x`` and ``g`` (which would form ``G_i`` a second time): the same sum. An example whose norm is
+    finite has a finite ``G_i``, formed from the same entries either way (a non-finite entry of ``x``
+    or ``g`` that enters a product makes ``G_i`` non-finite: ``inf * 0`` is ``nan``); one whose norm
+    is not has weight 0, and adds zeros either way. (A ``lax.cond`` that zeroed only where the plain
+    sum is not finite was no faster on the CNN, within the noise of XLA:CPU, and its branch held
+    an all-reduce of its own under FSDP.)
     """
     w = weights.astype(dtype)
+    if not use.gram():
+        zero = finite if nan_safe else (lambda k: k)
+        return jnp.reshape(use.leaf_layout([jnp.tensordot(w, zero(k), 1) for k in use.per_offset(dtype)]), shape)
     if nan_safe:
         use = dataclasses.replace(use, x=finite(use.x), g=finite(use.g))
-    if not use.gram():
-        return jnp.reshape(jnp.tensordot(w, use.per_example(dtype), 1), shape)
-    return jnp.reshape(use._by_offset(use._g(dtype) * w[:, None, None, None], False, dtype), shape)
+    g = use.g.astype(dtype) * w.reshape(-1, *[1] * (use.g.ndim - 1))
+    return jnp.reshape(use.weight_grad(g, dtype), shape)

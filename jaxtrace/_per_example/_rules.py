@@ -305,6 +305,6 @@ def conv(m, x, g, *, weight, bias, window, out_last):
     strides, lhs, rhs = (_per_axis(v, d) for v in (w.strides, w.lhs_dilation, w.rhs_dilation))
     pads = conv_pads(x.shape[3:], tuple(w.kernel), strides, w.padding, lhs, rhs)
     use = ConvUse(x, g, tuple(w.kernel), strides, pads, lhs, rhs, out_last, int(w.groups))
-    b, o = g.shape[0], g.shape[2]
-    gv = jnp.moveaxis(g.reshape(*g.shape[:3], -1), 2, 3).reshape(b, -1, o)
-    return _with_bias(m, bias, gv, {weight: use})
+    # the bias's per-example gradient: each call's output gradient summed over its positions, (B, L, O)
+    # (one factor row per call, not per position: no (B * T, O) copy of g for the norm and the sum)
+    return _with_bias(m, bias, jnp.sum(g.reshape(*g.shape[:3], -1), axis=3), {weight: use})
