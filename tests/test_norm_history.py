@@ -57,6 +57,7 @@ def stacked(sq_norms) -> np.ndarray:
 # --- value_grad_and_norms against the definition ---------------------------------------------------
 
 
+@pytest.mark.long_eager  # eagerly, the pass runs op by op: seconds; its jit variant always runs
 def test_value_grad_and_norms_against_jacrev(maybe_jit):
     model = f64(TwoBranch(KEY))
     x, y = batch(jax.random.key(1))
@@ -255,8 +256,37 @@ def test_training_loop_names_the_injected_outlier():
 
     # the held numbers are the definition's, at the model each step's gradient was taken at
     assert history.steps.tolist() == [12, 13, 8, 9, 10, 11]  # 14 pushes into 6 slots
+    oracle = eqx.filter_jit(lambda m, x, y: oracle_per_example(losses_fn, m, x, y))  # compiled once for the six
     for slot, i in enumerate(history.steps.tolist()):
-        ref = oracle_per_example(losses_fn, *seen[i])
+        ref = oracle(*seen[i])
         np.testing.assert_allclose(history.losses[slot], ref.losses, rtol=1e-10)
         np.testing.assert_allclose(history.sq_norms[slot], stacked(ref.sq_norms), rtol=1e-10, atol=1e-13)
     assert tuple(names) == ("a.weight", "a.bias", "b.weight", "b.bias", "head.weight", "head.bias")
+
+
+def test_guide_spike_history_blocks():
+    """The training-statistics guide's "The step keeps its own record": its loop flags step 25 alone, the
+    report names example 17 (the injected input outlier) first; the weight-over-bias ratios the page prints
+    are about 400 for that input outlier at every layer and below 2 for the wrong label of its second block."""
+    pytest.importorskip("optax")
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "training-statistics.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    (first,) = [k for k, b in enumerate(blocks) if "jt.NormHistory.init" in b]
+    namespace: dict = {}
+    x64 = jax.config.jax_enable_x64
+    try:
+        jax.config.update("jax_enable_x64", False)  # the page runs in float32, as a reader's session does
+        for code in blocks[first : first + 2]:
+            exec(compile(code, str(page), "exec"), namespace)
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+    (report,) = namespace["reports"]
+    assert report.step == 25 and report.examples[0] == 17 and report.compared_with == 15
+    for r, i, low, high in ((report, 17, 100, 1000), (namespace["labelled"].report(), 40, 1.0, 2.0)):
+        assert r.examples[0] == i
+        ratio = dict(zip(r.names, r.leaf_ratios[i]))
+        for k in range(4):
+            assert low < ratio[f"layers.{k}.weight"] / ratio[f"layers.{k}.bias"] < high, (i, k)
