@@ -20,12 +20,15 @@ from ._forward import jvp as jvp
 from ._forward import patch as patch
 from ._tag_modules import tag_modules as tag_modules
 from ._nonfinite import find_nonfinite as find_nonfinite
+from ._norm_history import NormHistory as NormHistory
+from ._norm_history import SpikeReport as SpikeReport
 from ._nonfinite import NonfiniteReport as NonfiniteReport
 from ._patch_grad import patch_grad as patch_grad
 from ._per_example import clipped_grad as clipped_grad
 from ._per_example import per_example_audit as per_example_audit
 from ._per_example import PerExampleAudit as PerExampleAudit
 from ._per_example import per_example_norms as per_example_norms
+from ._per_example import value_grad_and_norms as value_grad_and_norms
 from ._errors import TagError as TagError
 from ._tag import tag as tag
 from . import _vmap_cond  # noqa: F401  (teaches jax.vmap of lax.cond to mask the tags in its branches)
@@ -48,6 +51,9 @@ __all__ = [
     "patch",
     "patch_grad",
     "per_example_norms",
+    "value_grad_and_norms",
+    "NormHistory",
+    "SpikeReport",
     "clipped_grad",
     "per_example_audit",
     "PerExampleAudit",

@@ -38,5 +38,6 @@ from ._audit import per_example_audit as per_example_audit
 from ._transforms import clip_weights as clip_weights
 from ._transforms import clipped_grad as clipped_grad
 from ._transforms import per_example_norms as per_example_norms
+from ._transforms import value_grad_and_norms as value_grad_and_norms
 
-__all__ = ["LeafAudit", "PerExampleAudit", "clip_weights", "clipped_grad", "per_example_audit", "per_example_norms"]
+__all__ = ["LeafAudit", "PerExampleAudit", "clip_weights", "clipped_grad", "per_example_audit", "per_example_norms", "value_grad_and_norms"]

@@ -217,6 +217,11 @@ class Call:
         (leaf_cts,), tag_cts = self.pullback(jnp.ones_like(self.losses))
         return leaf_cts, tag_cts
 
+    def sum_grads(self) -> list:
+        """The gradient of ``sum(losses)``, per leaf in the order of ``plan.leaves``: the pass's own
+        backward, the one the norms read their output gradients from (no second pullback)."""
+        return list(self._first_pullback[0])
+
     def _layer_inputs(self, layer, tag_cts):
         """``(x, g, (axis, inner))`` of the layer's calls, examples located; or ``None`` and why not."""
         x, g = self.values.get(layer.path + INPUT_SUFFIX), tag_cts.get(layer.path)

@@ -1,4 +1,4 @@
-"""The public transforms: ``per_example_norms``, ``clipped_grad``, and the clipping weights."""
+"""The public transforms: ``per_example_norms``, ``value_grad_and_norms``, ``clipped_grad``, and the clipping weights."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ._pass import Call
 
-__all__ = ["clip_weights", "clipped_grad", "per_example_norms"]
+__all__ = ["clip_weights", "clipped_grad", "per_example_norms", "value_grad_and_norms"]
 
 
 def per_example_norms(
@@ -72,6 +72,57 @@ def per_example_norms(
         return value, call.plan.out(sq)
 
     return norms_fun
+
+
+def value_grad_and_norms(fun: Callable, argnums: int = 0, *, fallback: str = "vmap", has_aux: bool = False) -> Callable:
+    """The mean loss's gradient and each example's squared gradient norms per leaf, from one pass.
+
+    What a training step needs (the gradient of ``mean(losses)``) and what tells, when the loss
+    spikes, which examples and which layers made it (``|d losses[i] / d leaf|**2`` for every
+    example and leaf, as ``per_example_norms`` gives them), from the one forward and one backward
+    pass of ``per_example_norms``: the gradient is that pass's own backward of ``sum(losses)``
+    divided by the batch size, not a second pullback. Push the norms into a ``NormHistory``
+    carried in the train state, and read it when the loss spikes.
+
+    Args:
+        fun: ``fun(model, *batch, **kwargs)`` returns one loss per example, shape ``(B,)``
+            (with ``has_aux``, ``(losses, aux)``).
+        argnums: the position of the model, an equinox or Flax NNX module, untagged.
+        fallback: as for ``per_example_norms``: ``"vmap"`` (the exact path for leaves no factors
+            cover) or ``"error"``.
+        has_aux: ``fun`` returns ``(losses, aux)``.
+
+    Returns:
+        A function of ``fun``'s arguments giving ``(losses, (grads, sq_norms))`` (with ``has_aux``,
+        ``((losses, aux), (grads, sq_norms))``): ``grads`` is the gradient of ``jnp.mean(losses)``,
+        structured as ``eqx.filter_grad`` gives it (for NNX, as ``nnx.grad`` does); ``sq_norms``
+        has that structure too, each leaf ``(B,)``: ``|d losses[i] / d leaf|**2``.
+
+    Raises:
+        TagError: as ``per_example_norms``.
+        ValueError: if ``fun`` does not return a vector of losses.
+
+    Example:
+        >>> import equinox as eqx, jax, jax.numpy as jnp, jaxtrace as jt
+        >>> model = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
+        >>> def losses(model, x, y):
+        ...     return jnp.sum((jax.vmap(model)(x) - y) ** 2, axis=-1)
+        >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+        >>> losses, (grads, sq_norms) = eqx.filter_jit(jt.value_grad_and_norms(losses))(model, x, y)
+        >>> grads.layers[0].weight.shape, sq_norms.layers[0].weight.shape
+        ((8, 3), (4,))
+    """
+
+    @functools.wraps(fun)
+    def value_grad_and_norms_fun(*args, **kwargs):
+        call = Call(fun, argnums, fallback, has_aux, args, kwargs)
+        sq = call.sq_norms()
+        call.write_back()
+        value = (call.losses, call.aux) if has_aux else call.losses
+        grads = [(g / call.batch).astype(g.dtype) for g in call.sum_grads()]
+        return value, (call.plan.out(grads), call.plan.out(sq))
+
+    return value_grad_and_norms_fun
 
 
 def clipped_grad(
