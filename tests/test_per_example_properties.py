@@ -7,7 +7,7 @@ Hypothesis draws a program: an equinox or Flax NNX model built from covered laye
 uncovered ones (a raw parameter added, multiplied or matmul'd; a custom module), and a
 *class*: how a DP-SGD user calls it (``jax.vmap(model)``, position ids ``arange(T)`` into an
 Embedding inside the model, a learned ``(T, d)`` table, a layer called twice or at two
-shapes, a ``lax.scan`` over a ``filter_vmap``-built stack or over raw stacked arrays,
+shapes, each example's loss in ``jax.lax.map`` over the batch, a ``lax.scan`` over a ``filter_vmap``-built stack or over raw stacked arrays,
 ``jax.checkpoint``/``filter_jit`` inside, tables read by indexing, ties, transformed weights, freezing with ``eqx.partition`` (a norm's scale or bias alone too),
 negative ids, mixed dtypes, batch layouts, custom derivative rules that mix the examples in their
 derivative alone or keep them apart, a batch of one or as wide as the features or the classes) or an
@@ -104,7 +104,25 @@ CLASSES = {
     ),
     "shared_table": Cls("a learned (T, d) table fed to a Linear inside the model; T == B or not", variants=("T==B", "T!=B")),
     "repeated": Cls("one Linear called two or three times in a row", variants=("twice", "thrice")),
-    "two_shapes": Cls("one Linear called on the tokens (T, d) and on their mean (d,)", refused="called with different shapes"),
+    "two_shapes": Cls(
+        "one Linear called at two shapes: on the tokens (T, d) and on their mean (d,) (a pooled query), on the tokens "
+        "and on a crop of them (T - 1 positions), or before and inside a lax.fori_loop (a loop axis on one call only); "
+        "each shape's calls one more use of its leaves (issue 51)",
+        variants=("pooled", "crop", "fori"),
+        factors=True,
+    ),
+    "lax_map": Cls(
+        "each example's loss computed in jax.lax.map over the batch (a scan whose step is one example: the model on "
+        "one example, NNX on a batch of one), once or in two maps (the second against halved targets); covered layers only",
+        variants=("map", "two_maps"),
+        factors=True,
+    ),
+    "lax_map_chunks": Cls(
+        "jax.lax.map over the batch in chunks of two (a scan of a vmap), with a remainder batch at another shape (B "
+        "odd) or without: the exact path, never refused",
+        variants=("remainder", "even"),
+        inputs=("linear",),
+    ),
     "scan_stack": Cls(
         "a stack built with eqx.filter_vmap / nnx.vmap, run with lax.scan / nnx.scan; each step's layer called once, "
         "twice, or in a scan over the positions nested in the scan over the stack (nested_layers), or the scan over the "
@@ -540,11 +558,39 @@ def b_repeated(kit, p):
 def b_two_shapes(kit, p):
     def middle(parts, h):
         lin = parts["rep"]
-        h = jnp.tanh(kit.apply("linear", lin, h))
-        pooled = jnp.tanh(kit.apply("linear", lin, jnp.mean(h, axis=-2)))
-        return h + pooled[..., None, :]
+        call = lambda h: jnp.tanh(kit.apply("linear", lin, h))  # noqa: E731
+        h = call(h)
+        if p.variant == "fori":
+            return lax.fori_loop(0, 2, lambda i, h: call(h), h)
+        other = call(jnp.mean(h, axis=-2)) if p.variant == "pooled" else jnp.mean(call(h[..., :-1, :]), axis=-2)
+        return h + other[..., None, :]
 
     return standard(kit, p, {"rep": kit.layer("linear", p.d)}, middle)
+
+
+def _one_at_a_time(kit, m, x, y):
+    """Example ``x[i]``'s loss: the model on that example (NNX: on a batch of one)."""
+    out = m(x) if kit.eqx else m(x[None])[0]
+    return jnp.mean((out - y) ** 2)
+
+
+def b_lax_map(kit, p):
+    # (no raw parameter: one read as it is in the map's body takes the exact path, which fallback="error" refuses)
+    built = standard(kit, dataclasses.replace(p, raw=False), {}, lambda parts, h: h)
+
+    def fun(m, x, y):
+        losses = lax.map(lambda xy: _one_at_a_time(kit, m, *xy), (x, y))
+        if p.variant == "two_maps":
+            losses = losses + lax.map(lambda xy: _one_at_a_time(kit, m, *xy), (x, 0.5 * y))
+        return losses
+
+    return dataclasses.replace(built, fun=fun)
+
+
+def b_lax_map_chunks(kit, p):
+    built = standard(kit, p, {}, lambda parts, h: h)
+    fun = lambda m, x, y: lax.map(lambda xy: _one_at_a_time(kit, m, *xy), (x, y), batch_size=2)  # noqa: E731
+    return dataclasses.replace(built, fun=fun)
 
 
 def _stack_step(p, call):
@@ -1072,6 +1118,8 @@ def programs(draw, classes, first=None):
     B, T, d = draw(st.integers(2, 4)), draw(st.integers(2, 3)), draw(st.integers(2, 3))
     if cls == "batch_size":  # the batch's size is the class: one example, or as wide as the features
         B, d = (1, d) if variant == "B=1" else (B, B) if variant == "B==d" else (B, d)
+    if cls == "lax_map_chunks":  # chunks of two: a remainder of one, or none
+        B = 3 if variant == "remainder" else 4
     return Prog(
         cls=cls,
         fw=fw,

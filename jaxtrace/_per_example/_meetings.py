@@ -36,7 +36,9 @@ class Replay:
     tag at each meeting (``shared_names``: ``{path: [(tag name, _proof.SharedUse)]}``) and each
     proven read (``reads``: ``{tag name: _reads.Read}``). The ``jit`` and ``checkpoint`` calls that
     hold such a place run inline, so that the tag sits at it; a ``lax.scan`` whose body holds a read
-    runs as a scan again, its body replayed (the tag's values stack one per step)."""
+    runs as a scan again, its body replayed (the tag's values stack one per step). The tags of a layer's
+    calls of another layout (``renamed``: ``{key: name}``, keyed as the places are) are bound under
+    names of their own (``_groups``), in the bodies that hold them run the same way."""
 
     jaxpr: object
     consts: list
@@ -46,6 +48,7 @@ class Replay:
     shared_names: dict
     reads: dict
     scope: object = None  # the scope of the tags it adds (``_tag.scoped``): the pass's own
+    renamed: dict = dataclasses.field(default_factory=dict)  # a tag equation's key -> its name here (``_groups``)
 
     def __call__(self, leaves):
         at, inline = self._places
@@ -67,6 +70,8 @@ class Replay:
             ids = tuple(map(id, read.ctx))
             at[("read", *ids, id(read.eqn))] = name
             inline.update(ids[: k + 1] for k in range(len(ids)))
+        for key in self.renamed:  # a layer's calls of another layout: their tags under a name of their own
+            inline.update(key[: k + 1] for k in range(len(key) - 1))
         return at, inline
 
     def _run(self, jaxpr, consts, args, ctx: tuple, at: dict, inline: set) -> list:
@@ -83,6 +88,8 @@ class Replay:
             elif key in inline:  # a jit or checkpoint body holding a meeting or a read: run it here
                 body, body_consts = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
                 outs = self._run(body, body_consts, ins, (*ctx, eqn), at, inline)
+            elif key in self.renamed:
+                outs = bind_equation(_compat.with_params(eqn, name=self.renamed[key]), ins)
             elif met and eqn.primitive.name == "dot_general":
                 ((i, name),) = met
                 outs = [self._dot_per_example(eqn, ins, i, name, ctx)]

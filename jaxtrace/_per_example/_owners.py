@@ -1,8 +1,9 @@
 """Ownership: which example's loss each element of a value can reach, and the per-primitive rules.
 
 ``Axis(unit)``: the element with flat index ``f`` reaches only the loss of example
-``(f // unit) % B``; ``Every(kind, eqn)``: it may reach every example's loss; ``None``: no
-loss. ``OWNERS`` maps a primitive's name to its rule ``(analysis, eqn, output states, ctx) ->
+``(f // unit) % B``; ``Step(level, inner)``: it is in the body of a scan whose steps are the
+examples (``lax.map`` over the batch) and reaches only the loss of its step's example; ``Every(kind,
+eqn)``: it may reach every example's loss; ``None``: no loss. ``OWNERS`` maps a primitive's name to its rule ``(analysis, eqn, output states, ctx) ->
 operand states`` (``None`` where the rule cannot read the layout: the operands then reach every
 loss, "unknown"). The analysis that runs them is ``_proof``.
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 from .. import _compat
 
-__all__ = ["Axis", "ELEMENTWISE", "Every", "MULTI", "OWNERS", "SHAPE_ONLY", "axis_of", "elementwise", "inexact", "register", "shape_of", "unit"]
+__all__ = ["Axis", "ELEMENTWISE", "Every", "MULTI", "OWNERS", "SHAPE_ONLY", "Step", "axis_of", "elementwise", "inexact", "register", "shape_of", "unit"]
 
 # --- ownership states ---------------------------------------------------------
 
@@ -27,6 +28,16 @@ class Axis:
     """Element with flat (row-major) index ``f`` reaches only the loss of example ``(f // unit) % B``."""
 
     unit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """Reaches only the loss of the example its loop step belongs to: in the body of the scan at
+    nesting ``level`` (0: the outermost scan around it), step ``s`` is example ``s // inner``'s. Every
+    element of a value in such a body is that one example's (``jax.lax.map(lambda xi: loss(m, xi), x)``)."""
+
+    level: int
+    inner: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

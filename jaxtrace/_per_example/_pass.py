@@ -24,10 +24,12 @@ import jax.numpy as jnp
 from .. import _compat, _equation_params, _higher_order
 from .._ad import vjp as _vjp
 from .._module_tags import INPUT_SUFFIX
+from .._program import Program
 from .._sites import TagError
 from .._stateful import lift
 from .._tag import opened
 from ._factors import Use, examples_first, finite, over_loops, with_rows
+from ._groups import call_groups
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
 from ._plan import plan_for
@@ -140,7 +142,14 @@ class Call:
         around = {p: _custom_around(self.proof.occurrences.get(p, ())) for p in paths}
         self.in_custom = {p: eqn for p, eqn in around.items() if eqn is not None}
         found = {p for p in paths if p in self.proof.occurrences and p not in self.in_custom}
-        names = found | {p + INPUT_SUFFIX for p in found}
+        # a layer's calls of one layout stack as one tag; those of another layout get a name of their own
+        self.groups, self.group_why, renamed = {}, {}, {}
+        for p in sorted(found):
+            self.groups[p], more, why = call_groups(p, self.proof.occurrences[p], lambda p=p: self._stacks(p))
+            renamed.update(more)
+            if why is not None:
+                self.group_why[p] = why
+        names = {n for gs in self.groups.values() for g in gs for n in (g.name, g.name + INPUT_SUFFIX)}
         self.shared_names = {}
         for k, use in enumerate(self.proof.shared):
             self.shared_names.setdefault(use.path, []).append((f"{use.path}{_SHARED}{k}", use))
@@ -153,16 +162,29 @@ class Call:
         self.whole_steps = {n: i for n, i in steps.items() if n in self.shared_names}
         names |= set(self.reads) | {n + INPUT_SUFFIX for n in self.reads}
         run = self._traced  # the program again, with tags at the meetings and reads where there are any
-        # (not for one example: its gradient is the plain one, ``sq_norms`` and ``weighted_grads`` read no factors)
-        if self.batch > 1 and (self.proof.shared or self.reads):
+        # (not for one example: its gradient is the plain one, ``sq_norms`` and ``weighted_grads`` read no factors),
+        # and a name of their own on the tags of a layer's calls of another layout
+        placed = self.batch > 1 and (self.proof.shared or self.reads)
+        if placed or renamed:
             run = Replay(
-                self.jaxpr, self.consts, self._out_tree, self.proof, self.batch, self.shared_names, self.reads, plan.scope
+                self.jaxpr, self.consts, self._out_tree, self.proof, self.batch, self.shared_names if placed else {},
+                self.reads if placed else {}, plan.scope, renamed,
             )
         with opened(plan.scope):  # the plan's tags and the replay's are this pass's: no transform around it sees them
             self.losses, self.pullback, (self.aux, self.state), self.values = _vjp(
                 lambda leaves: _losses_first(run(leaves), has_aux), plan.leaves, with_values=True, has_aux=True,
                 tags=lambda n: n in names,
             )
+
+    @functools.cached_property
+    def _sites(self) -> dict:
+        """The sites of the program's tags, the plan's among them, as the pass's split stacks them."""
+        with opened(self.plan.scope):
+            return Program(self.jaxpr).sites
+
+    def _stacks(self, path: str) -> bool:
+        """Whether the pass stacks the calls of the layer ``path`` as one value (its input's and its output's)."""
+        return not any(site.problem for (name, _), site in self._sites.items() if name in (path, path + INPUT_SUFFIX))
 
     def _proven_reads(self) -> tuple[dict, dict]:
         """``({tag name: Read}, {leaf: why its reads are not on factors})``: the reads of a leaf by one
@@ -222,9 +244,10 @@ class Call:
         backward, the one the norms read their output gradients from (no second pullback)."""
         return list(self._first_pullback[0])
 
-    def _layer_inputs(self, layer, tag_cts):
-        """``(x, g, (axis, inner))`` of the layer's calls, examples located; or ``None`` and why not."""
-        x, g = self.values.get(layer.path + INPUT_SUFFIX), tag_cts.get(layer.path)
+    def _layer_inputs(self, layer, group, tag_cts):
+        """``(x, g, (axis, inner))`` of the layer's calls in ``group`` (``_groups.Group``: the calls of one
+        layout), examples located; or ``None`` and why not."""
+        x, g = self.values.get(group.name + INPUT_SUFFIX), tag_cts.get(group.name)
         if not isinstance(x, jax.Array) or not isinstance(g, jax.Array):
             return None, "its input or output is not one array"
         if layer.path in self.shared_names:
@@ -238,9 +261,9 @@ class Call:
             # vmap axes first (an eqx.nn.Linear without bias under jax.vmap: (features, T) against (T, features))
             use_g = jnp.transpose(use_g, (0, *(1 + a for a in occs[0].order)))
             return (jnp.broadcast_to(x, (self.batch, *x.shape)), use_g, (0, 1)), None
-        where = self.proof.example_axis(layer.path, g.ndim, self.batch)
+        where = self.proof.example_axis(group.occurrences, g.ndim, self.batch)
         if where is None:
-            why = self.proof.unproven.get(layer.path)
+            why = next((occ.out for occ in reversed(group.occurrences) if isinstance(occ.out, Every)), None)
             if isinstance(why, Every) and why.eqn is not None and _higher_order.kind(why.eqn) == _higher_order.CUSTOM:
                 return None, (
                     f"its output's gradient comes through a custom derivative rule ({_compat.construct(why.eqn)}) "
@@ -250,6 +273,80 @@ class Call:
                 f" ({_compat.construct(why.eqn)})" if isinstance(why, Every) and why.eqn is not None else ""
             )
         return (x, g, where), None
+
+    def _layer_uses(self, layer, tag_cts, why: dict) -> dict:
+        """``{leaf: [Use or (steps, Use)]}``: the uses of each of the layer's leaves that are on factors in
+        every group of its calls (``_groups``: one a layout); ``why`` gets the reason for the others."""
+        occs = self.proof.occurrences.get(layer.path, [])
+        if layer.path in self.in_custom or layer.path in self.group_why:
+            reason = self.group_why.get(layer.path) or (
+                f"its layer {layer.path!r} is called inside a function with a custom derivative rule "
+                f"({_compat.construct(self.in_custom[layer.path])}), whose gradient JAX takes from the rule"
+            )
+            why.update({i: reason for i in layer.leaves.values()})
+            return {}
+        groups = self.groups.get(layer.path, [])
+        if not layer.leaves or not occs or not groups or any(g.name not in tag_cts for g in groups):
+            return {}  # never called: its leaves are zero unless used elsewhere (``_factors``)
+        leaves = {}
+        for attr in layer.leaves:
+            origins = {occ.params.get(attr) for occ in occs}
+            origin = origins.pop() if len(origins) == 1 else None
+            if origin is None:
+                why[layer.leaves[attr]] = f"its layer {layer.path!r} multiplies a value computed from it, not the leaf itself"
+                continue
+            leaves[attr] = origin
+        per_group = [self._group_uses(layer, leaves, group, tag_cts, why) for group in groups]
+        return {
+            origin.leaf: [items[attr] for items in per_group]
+            for attr, origin in leaves.items()
+            if all(items.get(attr) is not None for items in per_group)
+        }
+
+    def _group_uses(self, layer, leaves: dict, group, tag_cts, why: dict) -> dict:
+        """``{attribute: Use or (steps, Use)}`` of the layer's calls in ``group``, for its ``leaves``
+        (``{attribute: Origin}``); ``why`` gets the reason for the attributes it gives none."""
+        dtypes = self._dtypes
+        got, reason = self._layer_inputs(layer, group, tag_cts)
+        if got is None:
+            why.update({origin.leaf: f"at its layer {layer.path!r}: {reason}" for origin in leaves.values()})
+            return {}
+        x, g, (axis, inner) = got
+        ri, ro = layer.rule.ranks(layer.module)
+        n_lead = x.ndim - ri
+        if n_lead < 1 or g.ndim - ro != n_lead or x.shape[:n_lead] != g.shape[:n_lead] or axis >= n_lead:
+            why.update({origin.leaf: f"its layer {layer.path!r} is called with inputs of unexpected shapes" for origin in leaves.values()})
+            return {}
+        stepped = {a for a, origin in leaves.items() if origin.stepped}
+        per_step: dict = {}
+        dt = functools.reduce(jnp.promote_types, [dtypes[o.leaf] for o in leaves.values()], _compute_dtype(g.dtype))
+        xf = x if not jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(dt)
+        if stepped:
+            loops = _stepped_loops(list(group.occurrences), {leaves[a].depth for a in stepped}, axis)
+            if loops is None:
+                for a in stepped:
+                    why[leaves[a].leaf] = (
+                        f"its layer {layer.path!r} is stacked and called in different loops, or its stack is sliced by two nested scans"
+                    )
+                return {}
+            n, module = len(loops), step_module(layer.module, x.shape[loops.index("stepped")])
+            step = lambda v: examples_first(v, axis - n, inner, n_lead - n)  # noqa: E731
+            per_step = over_loops(
+                lambda xs, gs: {a: f for a, f in layer.rule.factors(module, step(xs), step(gs.astype(dt))).items() if a in stepped},
+                loops, xf, g,
+            )
+            for a in stepped:
+                per_step.setdefault(a, None)
+                if per_step[a] is None:
+                    why[leaves[a].leaf] = f"its layer {layer.path!r} is stacked in a scan and called in a loop nested in it, which its rule does not cover"
+        factors = {}
+        if set(leaves) - stepped:
+            gf = g.astype(dt)
+            xb, gb = examples_first(xf, axis, inner, n_lead), examples_first(gf, axis, inner, n_lead)
+            factors = layer.rule.factors(layer.module, xb, gb)
+            if n_lead == 1:  # one (B * K, d) array each: the weighted sum reads them, not their views
+                factors = with_rows(factors, [(v, f) for v, f in ((xb, xf), (gb, gf)) if f.ndim == 2])
+        return {attr: per_step.get(attr) if attr in stepped else factors.get(attr) for attr in leaves}
 
     @functools.cached_property
     def _factors(self) -> tuple[dict, set, list, dict]:
@@ -261,71 +358,9 @@ class Call:
         why: dict = {i: _NO_RULE for i in range(len(plan.leaves))}
         owned: dict = {}
         for layer in plan.layers:
-            occs = self.proof.occurrences.get(layer.path, [])
-            if layer.path in self.in_custom:
-                for i in layer.leaves.values():
-                    why[i] = (
-                        f"its layer {layer.path!r} is called inside a function with a custom derivative rule "
-                        f"({_compat.construct(self.in_custom[layer.path])}), whose gradient JAX takes from the rule"
-                    )
-                continue
-            if not layer.leaves or not occs or layer.path not in tag_cts:
-                continue  # never called: its leaves are zero unless used elsewhere (below)
-            leaves = {}
-            for attr in layer.leaves:
-                origins = {occ.params.get(attr) for occ in occs}
-                origin = origins.pop() if len(origins) == 1 else None
-                if origin is None:
-                    why[layer.leaves[attr]] = f"its layer {layer.path!r} multiplies a value computed from it, not the leaf itself"
-                    continue
-                leaves[attr] = origin
-            got, reason = self._layer_inputs(layer, tag_cts)
-            if got is None:
-                for origin in leaves.values():
-                    why[origin.leaf] = f"at its layer {layer.path!r}: {reason}"
-                continue
-            x, g, (axis, inner) = got
-            ri, ro = layer.rule.ranks(layer.module)
-            n_lead = x.ndim - ri
-            if n_lead < 1 or g.ndim - ro != n_lead or x.shape[:n_lead] != g.shape[:n_lead] or axis >= n_lead:
-                for origin in leaves.values():
-                    why[origin.leaf] = f"its layer {layer.path!r} is called with inputs of unexpected shapes"
-                continue
-            stepped = {a for a, origin in leaves.items() if origin.stepped}
-            per_step: dict = {}
-            dt = functools.reduce(jnp.promote_types, [dtypes[o.leaf] for o in leaves.values()], _compute_dtype(g.dtype))
-            xf = x if not jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(dt)
-            if stepped:
-                loops = _stepped_loops(occs, {leaves[a].depth for a in stepped}, axis)
-                if loops is None:
-                    for a in stepped:
-                        why[leaves[a].leaf] = (
-                            f"its layer {layer.path!r} is stacked and called in different loops, or its stack is sliced by two nested scans"
-                        )
-                    continue
-                n, module = len(loops), step_module(layer.module, x.shape[loops.index("stepped")])
-                step = lambda v: examples_first(v, axis - n, inner, n_lead - n)  # noqa: E731
-                per_step = over_loops(
-                    lambda xs, gs: {a: f for a, f in layer.rule.factors(module, step(xs), step(gs.astype(dt))).items() if a in stepped},
-                    loops, xf, g,
-                )
-                for a in stepped:
-                    per_step.setdefault(a, None)
-                    if per_step[a] is None:
-                        why[leaves[a].leaf] = f"its layer {layer.path!r} is stacked in a scan and called in a loop nested in it, which its rule does not cover"
-            factors = {}
-            if set(leaves) - stepped:
-                gf = g.astype(dt)
-                xb, gb = examples_first(xf, axis, inner, n_lead), examples_first(gf, axis, inner, n_lead)
-                factors = layer.rule.factors(layer.module, xb, gb)
-                if n_lead == 1:  # one (B * K, d) array each: the weighted sum reads them, not their views
-                    factors = with_rows(factors, [(v, f) for v, f in ((xb, xf), (gb, gf)) if f.ndim == 2])
-            for attr, origin in leaves.items():
-                item = per_step.get(attr) if attr in stepped else factors.get(attr)
-                if item is None:
-                    continue
-                uses.setdefault(origin.leaf, []).append(item)
-                owned.setdefault(layer.path, set()).add(origin.leaf)
+            for leaf, items in self._layer_uses(layer, tag_cts, why).items():
+                uses.setdefault(leaf, []).extend(items)
+                owned.setdefault(layer.path, set()).add(leaf)
         cut_reads = {}
         for name, read in self.reads.items():
             i = read.leaf

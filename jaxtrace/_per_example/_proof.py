@@ -52,8 +52,8 @@ import numpy as np
 from .. import _compat, _equation_params, _higher_order
 from .._splice import bind_equation
 from .._tag import is_tag
-from .._module_tags import PARAMS_SUFFIX  # "<path>:params:<attribute>": a layer's parameter where it reads it
-from ._owners import ELEMENTWISE, MULTI, OWNERS, SHAPE_ONLY, Axis, Every, axis_of, elementwise, inexact, shape_of, unit
+from .._module_tags import INPUT_SUFFIX, PARAMS_SUFFIX  # "<path>:params:<attribute>": a layer's parameter where it reads it
+from ._owners import ELEMENTWISE, MULTI, OWNERS, SHAPE_ONLY, Axis, Every, Step, axis_of, elementwise, inexact, shape_of, unit
 
 __all__ = ["prove"]
 
@@ -82,6 +82,7 @@ class Occurrence:
     out: Any = None  # ownership of its output (Axis / Every / None)
     params: dict = dataclasses.field(default_factory=dict)  # attribute -> Origin | None
     steps: int = 0  # enclosing scans
+    inputs: tuple = ()  # its input tags' equations (one per leaf of the inputs), in the same body
 
     @property
     def order(self) -> tuple:
@@ -120,12 +121,19 @@ class Proof:
         state = self.states.get((ctx, var))
         return axis_of(shape_of(var), state, batch) if isinstance(state, Axis) else None
 
-    def example_axis(self, path: str, value_ndim: int, batch: int) -> Optional[tuple[int, int]]:
-        """``(axis, inner)`` of the examples in the stacked value jaxtrace returns for layer ``path``
-        (loop and repeated-call axes first, vmap axes next), the same for every call; else None."""
+    def example_axis(self, occurrences: list, value_ndim: int, batch: int) -> Optional[tuple[int, int]]:
+        """``(axis, inner)`` of the examples in the stacked value jaxtrace returns for a layer's calls
+        ``occurrences`` (one tag name's: loop and repeated-call axes first, vmap axes next), the same for
+        every call; else None. In the body of a scan whose steps are the examples (``Step``), the examples'
+        axis is that scan's loop axis where every call sits in that one scan: the loops around them come
+        first, outermost first, and calls stacked in the body after them."""
         found = set()
-        for occ in self.occurrences.get(path, []):
+        for occ in occurrences:
             if occ.out is None:
+                continue
+            if isinstance(occ.out, Step):
+                scans = [i for i, e in enumerate(occ.ctx) if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN]
+                found.add((occ.out.level, occ.out.inner, tuple(map(id, occ.ctx[: scans[occ.out.level] + 1]))))
                 continue
             if not isinstance(occ.out, Axis):
                 return None
@@ -135,7 +143,7 @@ class Proof:
                 return None
             axis, inner = where
             found.add((value_ndim - len(shape) + occ.order.index(axis), inner))
-        return found.pop() if len(found) == 1 else None
+        return found.pop()[:2] if len(found) == 1 else None
 
 
 # --- the analysis -------------------------------------------------------------
@@ -175,6 +183,7 @@ class _Analysis:
         self.layer_paths = layer_paths
         self.occurrences: dict = {}
         self.pending: dict = {}  # (ctx, path) -> params seen since that layer's last call
+        self.inputs: dict = {}  # (ctx, path) -> input tag equations seen since that layer's last call
         self.by_eqn: dict = {}  # (ctx, id(eqn)) -> Occurrence
         self.dep: dict = {}  # (ctx, var) -> depends on a leaf
         self.iota: dict = {}  # (ctx, var) -> ("iota", dim) | ("false",) | ("components", {k: dim})
@@ -238,11 +247,14 @@ class _Analysis:
         if PARAMS_SUFFIX in name:
             path, attr = name.split(PARAMS_SUFFIX, 1)
             self.pending.setdefault((ctx, path), {})[attr] = origin
+        elif name.endswith(INPUT_SUFFIX) and name[: -len(INPUT_SUFFIX)] in self.layer_paths:
+            self.inputs.setdefault((ctx, name[: -len(INPUT_SUFFIX)]), []).append(eqn)
         elif name in self.layer_paths:
+            inputs = tuple(self.inputs.pop((ctx, name), ()))
             if (ctx, id(eqn)) in self.by_eqn:  # a loop body read again (its carries' fixed point)
                 self.pending.pop((ctx, name), None)
                 return
-            occ = Occurrence(ctx, eqn, params=self.pending.pop((ctx, name), {}), steps=steps)
+            occ = Occurrence(ctx, eqn, params=self.pending.pop((ctx, name), {}), steps=steps, inputs=inputs)
             self.occurrences.setdefault(name, []).append(occ)
             self.by_eqn[(ctx, id(eqn))] = occ
 
@@ -305,6 +317,8 @@ class _Analysis:
             return new
         if new is None:
             return old
+        if isinstance(old, Step) or isinstance(new, Step):
+            return Every("unknown", eqn)  # a step's example against another claim: no claim, never a refusal
         if isinstance(old, Every) and isinstance(new, Every):
             return old if old.kind == "mix" or new.kind != "mix" else new
         # Two uses disagree: one example's element also reaches other examples' losses. Not with one
@@ -342,6 +356,9 @@ class _Analysis:
             return ins
         if _higher_order.kind(eqn) == _higher_order.SCAN:
             return self._scan(eqn, outs, ctx)
+        steps = {s for s in outs if s is not None}
+        if any(isinstance(s, Step) for s in steps):  # one loop step's example: so is every operand
+            return [steps.pop() if len(steps) == 1 else Every("unknown", eqn)] * len(eqn.invars)
         rule = OWNERS.get(name)
         if rule is None or len(outs) != 1 and name not in MULTI:
             return [Every("unknown", eqn)] * len(eqn.invars)
@@ -399,29 +416,63 @@ class _Analysis:
     def _scan(self, eqn, outs, ctx) -> list:
         p = _equation_params.scan_params(eqn)
         k, c = p.num_consts, p.num_carry
-        ys = []
-        for v, s in zip(eqn.outvars[c:], outs[c:]):
-            if s is None:
-                ys.append(None)
-                continue
-            where = axis_of(shape_of(v), s, self.batch)
-            ys.append(unit(shape_of(v)[1:], where[0] - 1, where[1]) if where and where[0] > 0 else Every("unknown", eqn))
-        carry = list(outs[:c])
-        while True:
-            got = self._body(p.body, carry + ys, (*ctx, eqn))
-            new = [_join_plain(a, b) for a, b in zip(carry, got[k : k + c])]
-            if new == carry:
-                break
-            carry = new
+        level = sum(1 for e in ctx if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN)
+        ys, per_step = self._scan_outputs(eqn, outs, level)
+        got, carry = self._scan_body(p.body, outs[:c], ys, k, c, (*ctx, eqn))
+        here = Step(level, per_step) if per_step else None
+        if here is not None and any(s == here and inexact(v) for v, s in zip(eqn.invars[k : k + c], carry)):
+            # a float carried from one example's step to the next: not one example's values a step
+            ys = [Every("unknown", eqn) if s == here else s for s in ys]
+            got, carry = self._scan_body(p.body, outs[:c], ys, k, c, (*ctx, eqn))
+            here = None
         xs = []
         for v, s in zip(eqn.invars[k + c :], got[k + c :]):
-            if s is None or isinstance(s, Every):
+            if here is not None and s == here:  # the scanned axis holds the examples, ``inner`` steps each
+                xs.append(unit(shape_of(v), 0, here.inner))
+                continue
+            if s is None or isinstance(s, (Every, Step)):
                 xs.append(s)
                 continue
             inner = shape_of(v)[1:]
             where = axis_of(inner, s, self.batch)
             xs.append(unit(shape_of(v), where[0] + 1, where[1]) if where else Every("unknown", eqn))
-        return got[:k] + carry + xs
+        consts = [Every("shared", eqn) if here is not None and s == here else s for s in got[:k]]  # read by every step
+        carry = [Every("unknown", eqn) if here is not None and s == here else s for s in carry]  # (no float: no gradient)
+        return consts + carry + xs
+
+    def _scan_outputs(self, eqn, outs, level: int) -> tuple[list, int]:
+        """``(the states of a scan body's ys, inner)``: ``inner`` > 0 where the scan's steps are the examples
+        (``inner`` steps each, the same for every ys that reaches a loss, no carry out reaching one:
+        ``lax.map`` over the batch), its body's values then ``Step``; else 0."""
+        c = _equation_params.scan_params(eqn).num_carry
+        wheres = [
+            axis_of(shape_of(v), s, self.batch) if isinstance(s, Axis) else None for v, s in zip(eqn.outvars[c:], outs[c:])
+        ]
+        inners = {w[1] for w in wheres if w is not None and w[0] == 0}
+        stepped = len(inners) == 1 and all(s is None for s in outs[:c]) and all(
+            w is not None and w[0] == 0 for w, s in zip(wheres, outs[c:]) if isinstance(s, Axis)
+        )
+        inner = next(iter(inners)) if stepped else 0
+        ys = []
+        for v, s, where in zip(eqn.outvars[c:], outs[c:], wheres):
+            if s is None or isinstance(s, Step):  # (an outer scan's step: the same example at every step here)
+                ys.append(s)
+            elif where is not None and where[0] > 0:
+                ys.append(unit(shape_of(v)[1:], where[0] - 1, where[1]))
+            else:
+                ys.append(Step(level, inner) if inner else Every("unknown", eqn))
+        return ys, inner
+
+    def _scan_body(self, body, carry: list, ys: list, k: int, c: int, ctx: tuple) -> tuple[list, list]:
+        """The body read backward from ``ys``, its carries fed back to a fixed point: ``(the states of
+        its consts, carries and xs, the carries')``."""
+        carry = list(carry)
+        while True:
+            got = self._body(body, carry + ys, ctx)
+            new = [_join_plain(a, b) for a, b in zip(carry, got[k : k + c])]
+            if new == carry:
+                return got, carry
+            carry = new
 
     def shared_uses(self, jaxpr, reads: dict, in_scans: dict) -> list:
         """Where each layer output (and each read ``reads`` names, ``{name: (var, ctx)}``, and each scan
