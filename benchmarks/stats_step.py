@@ -13,7 +13,7 @@ interleaved round by round (each round times every variant once, in a random ord
 - the same two written by hand on the base step's cotangents (``sqrt(sum(g**2))`` etc., what
   one would write without jaxtrace),
 - the norm and the five by hand with ``jt.stats``' guarantees (the sums also at fixed power-of-two
-  scales, the scaled entries made from the bits as ``jt.stats`` makes them, so a norm past
+  scales, each scaled entry capped after its multiply as ``jt.stats`` writes it, so a norm past
   float32's square range is still right under jit): the same results, each sum its own ``jnp.sum``,
 
 and prints the median per-round ratio to the base, and the reduce ops in each compiled step (a
@@ -72,37 +72,29 @@ def by_hand_guarded(tag_grads, loops, stats=ALL):
     that a norm above ``sqrt(float32 max)`` or below ``sqrt(float32 tiny)`` is still right; each
     sum a plain ``jnp.sum`` (XLA's vectorised reduction), not one pass."""
 
-    def times_pow2(g, k):
-        """|g| * 2**k from g's bits (XLA folds a multiply into the square: 0 * inf in float32)."""
-        info = jnp.finfo(g.dtype)
-        ints = {32: jnp.int32, 64: jnp.int64}[info.bits]
-        p, bias = info.nmant, info.maxexp - 1
-        a = jax.lax.bitcast_convert_type(g, ints) & jnp.iinfo(ints).max
-        if k < 0:
-            bits = jnp.where(a >= (2 * info.maxexp - 1) << p, a, jnp.maximum(a - (-k << p), 0))
-        else:
-            bits = jnp.where(a < 1 << p, 0, jnp.minimum(a, (info.maxexp // 2 - k - 2 + bias) << p) + (k << p))
-        return jax.lax.bitcast_convert_type(bits, g.dtype)
+    def scaled(g, k, cap):
+        """min(|g * 2**k|, cap): capped after the multiply, so XLA cannot fold 2**k into the square
+        (square(g * 2**k) -> square(g) * 2**(2k), 0 * inf in float32), as jt.stats writes it."""
+        return jnp.minimum(jnp.abs(g * jnp.asarray(2.0**k, g.dtype)), jnp.asarray(cap, g.dtype))
 
     def one(g, loops):
         axes = tuple(range(loops, g.ndim))
-        e = jnp.finfo(g.dtype).maxexp
+        info = jnp.finfo(g.dtype)
+        e = info.maxexp
         down, up, tiny = 3 * e // 4, e // 2, 2.0 ** -(e // 2 - 4)
-        g_hi = times_pow2(g, -down)
-        mid, hi, lo = (jnp.sum(jnp.square(s), axis=axes) for s in (g, g_hi, times_pow2(g, up)))
+        mid, hi, lo = (jnp.sum(jnp.square(s), axis=axes) for s in (g, scaled(g, -down, info.max), scaled(g, up, 2.0 ** (e // 2 - 2))))
         use_hi, use_lo = jnp.isinf(mid), mid < tiny
         sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
         scale = jnp.where(use_hi, 2.0**down, jnp.where(use_lo, 2.0**-up, 1.0))
         if stats == ("norm",):
             return {"norm": scale * jnp.sqrt(sq)}
         n = math.prod(g.shape[loops:])
-        a = jnp.abs(g)
-        s_abs, s_abs_hi = jnp.sum(a, axis=axes), jnp.sum(g_hi, axis=axes)
+        s_abs, s_abs_hi = jnp.sum(jnp.abs(g), axis=axes), jnp.sum(jnp.abs(g * 2.0 ** -up), axis=axes)
         return {
             "norm": scale * jnp.sqrt(sq),
             "rms": scale * jnp.sqrt(sq / n),
-            "mean_abs": jnp.where(jnp.isinf(s_abs), (s_abs_hi / n) * 2.0**down, s_abs / n),
-            "max_abs": jnp.where(jnp.isnan(mid), jnp.nan, jnp.max(a, axis=axes)),
+            "mean_abs": jnp.where(jnp.isinf(s_abs), (s_abs_hi / n) * 2.0**up, s_abs / n),
+            "max_abs": jnp.where(jnp.isnan(mid), jnp.nan, jnp.max(jnp.abs(g), axis=axes)),
             "nonfinite": jnp.sum(~jnp.isfinite(g), axis=axes) / n,
         }
 
