@@ -82,7 +82,8 @@ def by_hand_guarded(tag_grads, loops, stats=ALL):
         info = jnp.finfo(g.dtype)
         e = info.maxexp
         down, up, tiny = 3 * e // 4, e // 2, 2.0 ** -(e // 2 - 4)
-        mid, hi, lo = (jnp.sum(jnp.square(s), axis=axes) for s in (g, scaled(g, -down, info.max), scaled(g, up, 2.0 ** (e // 2 - 2))))
+        entries = (g, scaled(g, -down, info.max), scaled(g, up, 2.0 ** (e // 2 - 2)))
+        mid, hi, lo = (jnp.sum(jnp.square(s), axis=axes) for s in entries)
         use_hi, use_lo = jnp.isinf(mid), mid < tiny
         sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
         scale = jnp.where(use_hi, 2.0**down, jnp.where(use_lo, 2.0**-up, 1.0))
