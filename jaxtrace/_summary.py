@@ -68,14 +68,14 @@ def summarize(
     Norm, rms, mean and max follow NumPy on non-finite input (``nan`` if any
     entry is ``nan``, else ``inf`` if any is ``inf``). The results have the
     gradient's real dtype, at least float32, and are accumulated in it: the
-    sums of squares are also taken at two fixed power-of-two scales in the
-    same pass (exact), and the one in range is used, so large finite float32
-    gradients (``|g| > 1e19``, whose squares overflow) and tiny ones (``|g| <
-    1e-19``, whose squares underflow) still give the right norm, under
-    ``jax.jit`` too: the scaled entries are made from the bits of ``g``, which
-    no compiler rewrite folds into the square (subnormal entries count as 0
-    there, as XLA:CPU flushes them). A tag with
-    no entries has norm 0 and mean and rms ``nan``. A ``float0`` leaf (the
+    sums of squares are also taken at two fixed power-of-two scales (exact),
+    and the one in range is used, so large finite float32 gradients (``|g| >
+    1e19``, whose squares overflow) and tiny ones (``|g| < 1e-19``, whose
+    squares underflow) still give the right norm, under ``jax.jit`` too: each
+    scaled entry is capped after its multiply, and no compiler rewrite moves
+    the scale through the cap into the square (XLA:CPU flushes subnormal
+    entries to 0 there). A tag with no entries has norm 0 and mean and rms
+    ``nan``. A ``float0`` leaf (the
     gradient of an integer tag) counts as zeros.
 
     With ``terms``, ``values`` is the ``tag_jacs`` of :func:`jaxtrace.jacrev`
@@ -341,18 +341,18 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     axes_of = [tuple(range(keep, len(s))) for s in shapes]
     floats = [_as_float(leaf) for leaf in leaves]
     dtype = jnp.result_type(*[jnp.finfo(f.dtype).dtype for f in floats])  # complex64 -> float32
-    # |g| where a statistic needs it; the squares come from g itself (no |g| array to keep for them)
-    mags = [jnp.abs(f).astype(dtype) for f in floats] if {"mean_abs", "max_abs", "nonfinite"} & set(stats) else []
-    reals = [f.astype(dtype) if not jnp.iscomplexobj(f) else None for f in floats]
+    # g itself for a real leaf, |g| for a complex one: every statistic is a function of its entries
+    bases = [f.astype(dtype) if not jnp.iscomplexobj(f) else jnp.abs(f).astype(dtype) for f in floats]
     count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
     empty = _is_empty(count)
 
-    exponent = jnp.finfo(dtype).maxexp  # float32: 128, float64: 1024
-    # |g| * 2**-down stays finite for every finite |g|; its squares are used only when the plain sum
-    # overflowed (the entries they lose to underflow are ~2**-exponent of it). |g| * 2**up is used
-    # only when the plain sum is below tiny, where its squares cannot overflow.
-    down, up = 3 * exponent // 4, exponent // 2
-    tiny = 2.0 ** -(exponent // 2 - 4)
+    info = jnp.finfo(dtype)  # float32: maxexp 128, float64: 1024
+    # g * 2**-down stays finite for every finite g; its squares are used only when the plain sum
+    # overflowed (the entries they lose to underflow are ~2**-maxexp of it). |g| * 2**up is used
+    # only when the plain sum is below tiny, where its squares cannot overflow; |g| * 2**-half
+    # only when the plain sum of |g| overflowed.
+    down, up, half = 3 * info.maxexp // 4, info.maxexp // 2, info.maxexp // 2
+    tiny = 2.0 ** -(info.maxexp // 2 - 4)
     want_sq, want_abs = "norm" in stats or "rms" in stats, "mean_abs" in stats
     want_max, want_bad = "max_abs" in stats, "nonfinite" in stats
     # nan explicitly for max_abs rather than rely on how the backend's max reduction treats it: a
@@ -360,34 +360,36 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     count_nan = want_max and not want_sq and not want_abs
 
     # Every statistic is a sum (or the max) of an elementwise function of g with no data-dependent
-    # scaling before it, so all of a leaf's sums are reductions of g that XLA fuses into one pass
-    # and, when sharded, reduce where each shard lies, then in one all-reduce round that XLA
-    # combines with the gradients' (a max in a round of its own). Sums of
-    # squares overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19) where the norm does not;
-    # they are also summed at fixed power-of-two scales in the same pass, and the one in range is
-    # picked after the reduction. The scaled entries are made from g's bits (_abs_times_pow2), not
-    # by multiplying by a constant: XLA rewrites square(g * 2**k) into square(g) * 2**(2k), which
-    # is 0 * inf in float32, and no such rewrite applies to integer arithmetic on the bits.
-    def terms(r, f, m, empty_leaf):
+    # scaling before it: one jnp.sum (or jnp.max) each, which XLA fuses with the function that
+    # makes its entries and, when sharded, reduces where each shard lies, then in one all-reduce
+    # round that XLA combines with the gradients' (a max in a round of its own). Sums of squares
+    # overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19) where the norm does not; they are
+    # also summed at fixed power-of-two scales, and the one in range is picked after the
+    # reduction. Each scaled entry is capped after its multiply (_scaled): XLA rewrites
+    # square(g * 2**k) into square(g) * 2**(2k), which is 0 * inf in float32, and no rewrite moves
+    # the constant through the min. The elementwise functions share no intermediate array (each
+    # sum reads g, with its own scale): XLA:CPU writes out an array that two reductions read, where
+    # it fuses one that a single reduction reads (|g| shared by four sums doubled their cost).
+    def terms(g, empty_leaf):
         """The (kind, elementwise array) pairs one leaf contributes, keyed by what they sum."""
-        sq = r if r is not None else jnp.abs(f).astype(dtype)  # squares from g itself (complex: |g|)
         out = {}
-        hi = _abs_times_pow2(sq, -down) if want_sq or want_abs else None
         if want_sq:
-            out["sq"], out["sq_hi"], out["sq_lo"] = jnp.square(sq), jnp.square(hi), jnp.square(_abs_times_pow2(sq, up))
+            out["sq"] = jnp.square(g)
+            out["sq_hi"] = jnp.square(_scaled(g, -down, info.max))
+            out["sq_lo"] = jnp.square(_scaled(g, up, 2.0 ** (info.maxexp // 2 - 2)))
         if want_abs:
-            out["abs"], out["abs_hi"] = m, hi
+            out["abs"], out["abs_hi"] = jnp.abs(g), jnp.abs(g * _pow2(-half, dtype))
         if want_max and not empty_leaf:  # empty leaves are left out: a max over no entries has a 0/0 derivative
-            out["max"] = m
+            out["max"] = jnp.maximum(g, -g)  # |g|, not jnp.abs: an array of its own, for the max alone
         if count_nan:
-            out["nan"] = jnp.isnan(m).astype(dtype)
+            out["nan"] = jnp.isnan(g).astype(dtype)
         if want_bad:
-            out["bad"] = (~jnp.isfinite(m)).astype(dtype)
+            out["bad"] = (~jnp.isfinite(g)).astype(dtype)
         return out
 
     per_leaf = []
-    for r, f, m, ax in zip(reals, floats, mags or [None] * len(floats), axes_of):
-        parts = terms(r, f, m, _is_empty(math.prod(np.shape(f)[keep:])))
+    for g, ax in zip(bases, axes_of):
+        parts = terms(g, _is_empty(math.prod(np.shape(g)[keep:])))
         keys = tuple(parts)
         per_leaf.append(dict(zip(keys, _separately(tuple(parts.values()), tuple(k == "max" for k in keys), ax))))
     total = {k: functools.reduce(jnp.add, [p[k] for p in per_leaf]) for k in per_leaf[0] if k != "max"}
@@ -403,7 +405,7 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
             out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
     if want_abs:
         mid_abs, hi = total["abs"], total["abs_hi"]
-        mean = jnp.where(jnp.isinf(mid_abs), (hi / count) * 2.0**down, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
+        mean = jnp.where(jnp.isinf(mid_abs), (hi / count) * 2.0**half, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
         out["mean_abs"] = mean.astype(dtype)
     if want_max:
         top = functools.reduce(jnp.maximum, [p["max"] for p in per_leaf if "max" in p], jnp.zeros(kept_shape, dtype))
@@ -426,37 +428,22 @@ def _separately(operands: tuple, is_max: tuple, axes: tuple) -> tuple:
     return tuple((jnp.max if m else jnp.sum)(op, axis=axes) for op, m in zip(operands, is_max))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _abs_times_pow2(x, k: int):
-    """``|x| * 2**k``, made by adding ``k`` to the exponent in ``x``'s bits, for the range guards.
-
-    An integer add on the bits is an operation that no algebraic rewrite folds into the square
-    taken of it (``square(x * 2**k)`` becomes ``square(x) * 2**(2k)`` under XLA). Where the
-    result is not needed it is kept finite: ``k < 0`` (used when the plain sum of squares
-    overflowed) maps what would underflow to 0 and keeps ``inf``; ``k > 0`` (used when every
-    entry is tiny) maps zeros and subnormals to 0 (XLA:CPU flushes them anyway) and caps the
-    rest below ``2**(maxexp/2 - 1)``, so its square stays finite."""
-    info = jnp.finfo(x.dtype)
-    ints = {32: jnp.int32, 64: jnp.int64}[info.bits]
-    p, bias = info.nmant, info.maxexp - 1
-
-    def bits_of(e):  # the bits of 2**e
-        return jnp.array((e + bias) << p, ints)
-
-    a = jax.lax.bitcast_convert_type(x, ints) & jnp.array(np.iinfo(ints).max, ints)  # |x|'s bits
-    shift = jnp.array(abs(k) << p, ints)
-    if k < 0:
-        inf = jnp.array((2 * info.maxexp - 1) << p, ints)
-        bits = jnp.where(a >= inf, a, jnp.maximum(a - shift, 0))
-    else:
-        bits = jnp.where(a < bits_of(1 - bias), 0, jnp.minimum(a, bits_of(info.maxexp // 2 - k - 2)) + shift)
-    return jax.lax.bitcast_convert_type(bits, x.dtype)
+def _pow2(k: int, dtype):
+    """``2**k`` in ``dtype`` (exact: a power of two in its range)."""
+    return jnp.asarray(2.0**k, dtype)
 
 
-@_abs_times_pow2.defjvp
-def _abs_times_pow2_jvp(k, primals, tangents):
-    (x,), (t,) = primals, tangents
-    return _abs_times_pow2(x, k), jnp.sign(x) * t * jnp.asarray(2.0**k, x.dtype)
+def _scaled(x, k: int, cap: float):
+    """``min(|x * 2**k|, cap)``: a range guard's scaled entry, capped after the multiply.
+
+    The cap stands between the constant and the square taken of the result, so no algebraic
+    rewrite moves ``2**k`` out of the square (XLA on JAX 0.10.2 rewrote ``square(g * 2**k)`` into
+    ``square(g) * 2**(2k)``, ``0 * inf`` in float32), and it keeps the entries that are not needed
+    finite, with derivative 0 (an ``inf`` there would make the norm's gradient ``nan``): ``k > 0``
+    caps at ``2**(maxexp/2 - 2)``, whose square is finite; ``k < 0`` at the dtype's largest value,
+    whose square is ``inf`` as an ``inf`` entry's is. A multiply, an abs and a min: elementwise
+    float ops that XLA fuses into the reduction that reads them."""
+    return jnp.minimum(jnp.abs(x * _pow2(k, x.dtype)), jnp.asarray(cap, x.dtype))
 
 
 def _sqrt(x):

@@ -256,102 +256,168 @@ def hand_stats(g, stats, keep=0):
     return {s: table[s]() for s in stats}
 
 
-@check
-def stats_one_all_reduce_round():
-    """A sharded jt.stats step has no more all-reduces than sqrt(sum(g**2)) written by hand, and no
-    all-gather (or other collective) the hand program lacks.
+STATS_ALL = ("norm", "rms", "mean_abs", "max_abs", "nonfinite")
 
-    Data parallel (the batch over all 8 devices), 4x2 tensor parallel (Megatron-style
-    w1/w2, the batch over 'data'), FSDP (the parameters and the batch over 'data') and a
-    shard_map step (the loss written per shard, the batch over both mesh axes), stats="norm" and
-    all statistics, float32: the compiled HLO's all-reduce count, and the numbers, against the
-    hand-written program with the same statistics (the + eps oracle, its tag gradients reduced
-    by hand). Huge (squares overflow) and tiny (squares underflow) values, sharded three ways,
-    give the float64 numbers.
-    """
-    layouts = {
-        "data parallel": ({"w1": P(), "b1": P(), "w2": P()}, P(("data", "model"))),
-        "tensor parallel 4x2": ({"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}, P("data")),
-        # FSDP: every parameter sharded over the batch's axis, gathered where it is used.
-        "fsdp": ({"w1": P(None, "data"), "b1": P("data"), "w2": P("data", None)}, P("data")),
+
+def hand_guarded_stats(g, stats, keep=0):
+    """``hand_stats`` with jt.stats' range guards, written by hand: the squares (and |g|) also summed at
+    fixed power-of-two scales, each scaled entry capped after its multiply, the sum in range picked
+    after the reduction (what one writes to get jt.stats' numbers for huge and tiny gradients)."""
+    axes, info = tuple(range(keep, g.ndim)), jnp.finfo(g.dtype)
+    n, e = int(np.prod(g.shape[keep:])), info.maxexp
+    down, up, tiny = 3 * e // 4, e // 2, 2.0 ** -(e // 2 - 4)
+    scaled = lambda k, cap: jnp.minimum(jnp.abs(g * 2.0**k), cap)  # noqa: E731
+    sq, hi, lo = (jnp.sum(jnp.square(s), axis=axes) for s in (g, scaled(-down, info.max), scaled(up, 2.0 ** (e // 2 - 2))))
+    in_range = jnp.where(jnp.isinf(sq), hi, jnp.where(sq < tiny, lo, sq))
+    scale = jnp.where(jnp.isinf(sq), 2.0**down, jnp.where(sq < tiny, 2.0**-up, 1.0))
+    s_abs = jnp.sum(jnp.abs(g), axis=axes)
+    table = {
+        "norm": lambda: scale * jnp.sqrt(in_range),
+        "rms": lambda: scale * jnp.sqrt(in_range / n),
+        "mean_abs": lambda: jnp.where(jnp.isinf(s_abs), jnp.sum(jnp.abs(g * 2.0**-up), axis=axes) / n * 2.0**up, s_abs / n),
+        "max_abs": lambda: jnp.max(jnp.abs(g), axis=axes),
+        "nonfinite": lambda: jnp.mean(~jnp.isfinite(g), axis=axes),
     }
-    f32 = lambda tree: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)  # noqa: E731
-    params32, x32, y32 = f32((PARAMS, X, Y))
-    loss = lambda p, x, y: mlp_loss(p, x, y, jt.tag, lambda h: h)  # noqa: E731
+    return {s: table[s]() for s in stats}
 
-    def hand(stats):
-        def step(p, x, y):
-            eps = {"h": jnp.zeros((16, 4), jnp.float32), "out": jnp.zeros((16, 2), jnp.float32)}
-            marked = lambda p, e: mlp_loss(p, x, y, plus_eps(e), lambda v: v)  # noqa: E731
-            value, (grads, tag_grads) = eps_oracle(marked, p, eps, argnums=(0, 1), value=True)
-            return value, grads, {n: hand_stats(g, stats) for n, g in tag_grads.items()}
 
-        return step
+def stats_step(how, stats, layout):
+    """A layout's step ``(params, x, y) -> (value, grads, statistics)``: ``jt.stats`` ("ours"), or
+    the ``+ eps`` oracle's tag gradients reduced by hand ("hand") or by hand with the guards
+    ("guarded")."""
 
-    def ours(stats):
-        def step(p, x, y):
-            value, (grads, tag_stats) = jt.stats.value_and_grad(loss, stats=stats)(p, x, y)
+    def step(p, x, y):
+        if how == "ours":
+            value, (grads, tag_stats) = jt.stats.value_and_grad(layout.loss, stats=stats)(p, x, y)
             return value, grads, tag_stats
+        eps = {n: jnp.zeros(s, jnp.float32) for n, s in layout.eps.items()}
+        value, (grads, tag_grads) = eps_oracle(lambda p, e: layout.marked(p, e, x, y), p, eps, argnums=(0, 1), value=True)
+        by_hand = hand_stats if how == "hand" else hand_guarded_stats
+        return value, grads, {n: by_hand(g, stats, layout.keep) for n, g in tag_grads.items()}
 
-        return step
+    return layout.wrap(step)
 
-    mesh = mesh2d()
-    batch = P(("data", "model"))
 
-    # shard_map: the loss per shard; a tag in the body has one leading axis per mesh axis (one
-    # gradient per shard), kept by jt.stats like a loop axis, so the statistics are per shard.
-    def sm_body(p, x, y, mark):
+def rnn_loss(p, xs, y, eps=None):
+    """A tanh RNN in a lax.scan with a tag on each step's state, or ``+ eps[step]`` there."""
+
+    def step(h, x_e):
+        x, e = x_e
+        h = jnp.tanh(h @ p["w"] + x @ p["u"])
+        return (jt.tag(h, "h") if e is None else h + e), None
+
+    h, _ = lax.scan(step, jnp.zeros((xs.shape[1], p["w"].shape[0]), xs.dtype), (xs, eps))
+    return jnp.mean((h - y) ** 2)
+
+
+class StatsLayout:
+    """One sharded step for the statistics' collectives: where each array lies, the loss with
+    tags, the same with ``+ eps`` (``marked(p, eps, x, y)``), the tags' shapes, the loop axes
+    jt.stats keeps, and what wraps the step (a shard_map around it, or nothing)."""
+
+    def __init__(self, params, specs, data, data_specs, loss, marked, eps, keep=0, wrap=lambda f: f):
+        self.params, self.specs, self.data, self.data_specs = params, specs, data, data_specs
+        self.loss, self.marked, self.eps, self.keep, self.wrap = loss, marked, eps, keep, wrap
+
+
+def stats_layouts(mesh):
+    """Data parallel (an MLP, and an RNN whose tag is in a scan), 4x2 tensor parallel, FSDP, and
+    shard_map with the tags inside its body (jt.stats around it) or jt.stats itself inside."""
+    f32 = lambda tree: jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree)  # noqa: E731
+    batch, mlp_data = P(("data", "model")), f32((X, Y))
+    mlp = dict(
+        params=f32(PARAMS),
+        data=mlp_data,
+        loss=lambda p, x, y: mlp_loss(p, x, y, jt.tag, lambda h: h),
+        marked=lambda p, e, x, y: mlp_loss(p, x, y, plus_eps(e), lambda h: h),
+        eps={"h": (16, 4), "out": (16, 2)},
+    )
+    replicated = {"w1": P(), "b1": P(), "w2": P()}
+
+    def sm_body(p, x, y, mark):  # the loss per shard, averaged over the shards
         return lax.pmean(mlp_loss(p, x, y, mark, lambda h: h), ("data", "model"))
 
-    def sm_loss(p, x, y):
-        return smap(lambda p, x, y: sm_body(p, x, y, jt.tag), mesh, (P(), batch, batch), P(), True)(p, x, y)
+    def sm_marked(p, e, x, y):  # one block of eps per shard (a tag in the body: one axis per mesh axis)
+        def body(p, x, y, e):
+            return sm_body(p, x, y, plus_eps({n: v.reshape(v.shape[2:]) for n, v in e.items()}))
 
-    def sm_hand(stats):
-        def step(p, x, y):
-            eps = {"h": jnp.zeros((4, 2, 2, 4), jnp.float32), "out": jnp.zeros((4, 2, 2, 2), jnp.float32)}
+        return smap(body, mesh, (P(), batch, batch, {"h": P("data", "model"), "out": P("data", "model")}), P(), True)(p, x, y, e)
 
-            def marked(p, e):
-                def body(p, x, y, e):
-                    return sm_body(p, x, y, plus_eps({n: v.reshape(v.shape[2:]) for n, v in e.items()}))
+    def per_shard(step):  # jt.stats inside the body: the gradients averaged, the statistics per shard
+        def body(p, x, y):
+            value, grads, tag_stats = step(p, x, y)
+            per = jax.tree_util.tree_map(lambda s: s[None], tag_stats)
+            return lax.pmean(value, ("data", "model")), lax.pmean(grads, ("data", "model")), per
 
-                e_specs = {"h": P("data", "model"), "out": P("data", "model")}
-                return smap(body, mesh, (P(), batch, batch, e_specs), P(), True)(p, x, y, e)
+        return lambda p, x, y: smap(body, mesh, (P(), batch, batch), (P(), P(), batch), False)(p, x, y)
 
-            value, (grads, tag_grads) = eps_oracle(marked, p, eps, argnums=(0, 1), value=True)
-            return value, grads, {n: hand_stats(g, stats, keep=2) for n, g in tag_grads.items()}
+    rnn_params = f32({"w": RNG.normal(size=(8, 8)) / 3, "u": RNG.normal(size=(3, 8))})
+    return {
+        "data parallel": StatsLayout(specs=replicated, data_specs=(batch, batch), **mlp),
+        "data parallel, a tag in a scan": StatsLayout(
+            rnn_params, {"w": P(), "u": P()}, f32((RNG.normal(size=(5, 16, 3)), RNG.normal(size=(16, 8)))),
+            (P(None, ("data", "model")), batch), rnn_loss, lambda p, e, x, y: rnn_loss(p, x, y, e["h"]),
+            {"h": (5, 16, 8)}, keep=1),
+        "tensor parallel 4x2": StatsLayout(specs={"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)},
+                                           data_specs=(P("data"), P("data")), **mlp),
+        # FSDP: every parameter sharded over the batch's axis, gathered where it is used.
+        "fsdp": StatsLayout(specs={"w1": P(None, "data"), "b1": P("data"), "w2": P("data", None)},
+                            data_specs=(P("data"), P("data")), **mlp),
+        "shard_map, tags in its body": StatsLayout(
+            mlp["params"], replicated, mlp_data, (batch, batch),
+            lambda p, x, y: smap(lambda p, x, y: sm_body(p, x, y, jt.tag), mesh, (P(), batch, batch), P(), True)(p, x, y),
+            sm_marked, {"h": (4, 2, 2, 4), "out": (4, 2, 2, 2)}, keep=2),
+        "shard_map, jt.stats in its body": StatsLayout(
+            specs=replicated, data_specs=(batch, batch), wrap=per_shard,
+            **dict(mlp, eps={"h": (2, 4), "out": (2, 2)})),
+    }
 
-        return step
 
-    def sm_ours(stats):
-        def step(p, x, y):
-            value, (grads, tag_stats) = jt.stats.value_and_grad(sm_loss, stats=stats)(p, x, y)
-            return value, grads, tag_stats
+def assert_hand_collectives(where, got_text, hand_text, guarded_text, guard_scalars):
+    """The stats step's collectives against the hand programs': exactly the guarded hand program's
+    (kind and elements of each); against the unguarded one, the same kinds and the same number of
+    each, every collective but the all-reduces the same, and the all-reduces larger by at most the
+    guards' scalars once per mesh axis (the scaled sums ride in the same rounds)."""
+    got, hand, guarded = collectives(got_text), collectives(hand_text), collectives(guarded_text)
+    assert sorted(got) == sorted(guarded), f"{where}: {sorted(got)}, the guarded hand program {sorted(guarded)}"
+    assert by_kind(got) == by_kind(hand), f"{where}: {by_kind(got)}, the hand program {by_kind(hand)}"
+    others = lambda ops: sorted(op for op in ops if op[0] != "all-reduce")  # noqa: E731
+    assert others(got) == others(hand), f"{where}: {others(got)}, the hand program {others(hand)}"
+    extra = sum(n for k, n in got if k == "all-reduce") - sum(n for k, n in hand if k == "all-reduce")
+    assert 0 <= extra <= 2 * guard_scalars, f"{where}: {extra} all-reduced elements beyond the hand program's"
 
-        return step
 
-    everything = ("norm", "rms", "mean_abs", "max_abs", "nonfinite")
-    steps = {layout: (specs, batch_spec, hand, ours) for layout, (specs, batch_spec) in layouts.items()}
-    steps["shard_map"] = ({"w1": P(), "b1": P(), "w2": P()}, batch, sm_hand, sm_ours)
-    for layout, (param_specs, batch_spec, hand_of, ours_of) in steps.items():
-        params = put(params32, mesh, param_specs)
-        x, y = put((x32, y32), mesh, (batch_spec, batch_spec))
-        for stats in (("norm",), everything):
-            want_step, got_step = jax.jit(hand_of(stats)), jax.jit(ours_of(stats))
-            want_text = want_step.lower(params, x, y).compile().as_text()
-            got_text = got_step.lower(params, x, y).compile().as_text()
-            want_n, got_n = all_reduces(want_text), all_reduces(got_text)
-            assert 1 <= got_n <= want_n, f"{layout}, stats={stats}: {got_n} all-reduces, the hand program {want_n}"
-            # no other collective the hand program lacks, of any kind, nor more bytes of it (the
-            # statistics reduce each shard where it lies: 0.1.x gathered the cotangents first)
-            want_ops, got_ops = collectives(want_text), collectives(got_text)
-            for kind in {k for k, _ in got_ops} - {"all-reduce"}:
-                got_k, want_k = [n for k, n in got_ops if k == kind], [n for k, n in want_ops if k == kind]
-                assert len(got_k) <= len(want_k) and sum(got_k) <= sum(want_k), (
-                    f"{layout}, stats={stats}: {kind} {len(got_k)}x ({sum(got_k)} elements), the hand program "
-                    f"{len(want_k)}x ({sum(want_k)} elements)")
-            want, got = want_step(params, x, y), got_step(params, x, y)
-            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, err_msg=f"{layout}, {stats}")
+@check
+def stats_one_all_reduce_round():
+    """A sharded jt.stats step has the collectives of the same step written by hand: no all-gather
+    (or other collective) and no all-reduce beyond the hand program's, the range guards included.
+
+    Every layout of ``stats_layouts`` (data parallel, with a tag in a scan too; 4x2 tensor
+    parallel, Megatron-style w1/w2; FSDP, the parameters and the batch over 'data'; shard_map,
+    with tags in its body or jt.stats in it), stats="norm" and all statistics, float32: the
+    compiled HLO's collectives (``assert_hand_collectives``), and the numbers, against the ``+
+    eps`` oracle's tag gradients reduced by hand, with jt.stats' range guards and without. Huge
+    (squares overflow) and tiny (squares underflow) values, sharded three ways, give the float64
+    numbers.
+    """
+    mesh = mesh2d()
+    for name, layout in stats_layouts(mesh).items():
+        params = put(layout.params, mesh, layout.specs)
+        x, y = put(layout.data, mesh, layout.data_specs)
+        for stats in (("norm",), STATS_ALL):
+            steps = {how: jax.jit(stats_step(how, stats, layout)) for how in ("ours", "hand", "guarded")}
+            texts = {how: s.lower(params, x, y).compile().as_text() for how, s in steps.items()}
+            shapes = jax.eval_shape(steps["ours"], params, x, y)[2]
+            per_entry = 2 * bool({"norm", "rms"} & set(stats)) + ("mean_abs" in stats)
+            guard_scalars = per_entry * sum(int(np.prod(s[stats[0]].shape)) for s in shapes.values())
+            where = f"{name}, stats={stats}"
+            assert_hand_collectives(where, texts["ours"], texts["hand"], texts["guarded"], guard_scalars)
+            got = steps["ours"](params, x, y)
+            for how in ("hand", "guarded"):
+                want = steps[how](params, x, y)
+                for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+                    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, err_msg=f"{where}, {how}")
+    batch, everything = P(("data", "model")), STATS_ALL
     # out of range, sharded: the float64 numbers (rounded to float32)
     summarize = jax.jit(lambda g: jt.stats.summarize({"g": g}, stats=everything)["g"])
     for spec in (batch, P("data", "model"), P(None, "model")):

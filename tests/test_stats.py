@@ -183,12 +183,14 @@ def test_float32_out_of_range_per_step_and_per_example(maybe_jit):
     np.testing.assert_array_equal(np.asarray(norm), np.asarray(jnp.sqrt(jnp.sum(ordinary**2, axis=1))))
 
 
-@pytest.mark.parametrize("lam", [0.0, 1e-25, 1e25], ids=["zero", "tiny", "huge"])
+@pytest.mark.parametrize("lam", [0.0, 1e-25, 1e25, 3e37], ids=["zero", "tiny", "huge", "sum of |g| overflows"])
 def test_float32_broadcast_gradient_of_a_weighted_term(lam, maybe_jit):
     """Issue 50.4: loss = main + lam * aux with lam a step argument and the terms tagged, so the
     gradient at aux is lam broadcast. Under jit on JAX 0.10.2, XLA rewrote square(g * 2**k) into
-    square(g) * 2**(2k), 0 * inf in float32, and norm and rms were nan; the scaled entries are now
-    made from g's bits, which no rewrite folds into the square."""
+    square(g) * 2**(2k), 0 * inf in float32, and norm and rms were nan; each scaled entry is now
+    capped after its multiply (min(|g * 2**k|, cap)), and no rewrite moves the constant through
+    the min (without it these fail on JAX 0.10.2). 3e37 broadcast to 32 entries: the sum of |g|
+    overflows, mean_abs comes from the scaled sum."""
 
     def loss(w, x, lam):
         main = jt.tag(jnp.sum((x @ w) ** 2), "main")
