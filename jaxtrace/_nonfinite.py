@@ -17,12 +17,15 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ._ad import split_for_reverse
 from ._arrays import is_inexact_array
+from . import _nonfinite_shards
+from ._manual_layout import site_layouts
 from ._nonfinite_order import StepOrder, loop_count, step_order, templates
-from ._nonfinite_report import NONE, NonfiniteReport, ReportMeta, TagInfo, source
+from ._nonfinite_report import NONE, LeafInfo, NonfiniteReport, ReportMeta, TagInfo, source
 from ._paths import param_path, path_name
 from ._checks import check_callable, normalize_argnums
 from ._selection import Selection, TagSelection
@@ -100,36 +103,30 @@ def find_nonfinite(
         diff = [leaf for (_, leaf), m in zip(paths_and_leaves, mask) if m]
         (value, (aux, values)), (g_diff, g_eps) = jax.value_and_grad(run_inexact, argnums=(0, 1), has_aux=True)(diff, eps)
         split.write_back(values)  # NNX state (RNG counts, batch statistics) as a plain call leaves it
-        infos, value_codes, gradient_codes = _tag_codes(split, values, g_eps)
+        infos, probed, found = _tag_report(split, values, g_eps)
         # Paths inside the argument with one argnum (as its gradient's), else from the tuple of arguments.
         chosen = [param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]
         sizes = tuple(int(jnp.size(leaf)) for leaf in diff)
-        meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux), sizes)
+        meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux), sizes, probed)
         param_bad = [~jnp.all(jnp.isfinite(g)) for g in g_diff]
         # The parameters themselves: a NaN that an earlier update wrote shows here, not at a tag.
         param_counts = [jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in diff]
-        return NonfiniteReport(
-            value,
-            aux,
-            _stacked(value_codes),
-            _stacked(gradient_codes),
-            _stacked(param_bad, bool),
-            _stacked(param_counts),
-            meta,
-        )
+        return NonfiniteReport(value, aux, *found[:2], _stacked(param_bad, bool), _stacked(param_counts), meta, *found[2:])
 
     return report_fun
 
 
-def _tag_codes(split, values: dict, g_eps: dict) -> tuple[tuple, list, list]:
-    """Per tag name, in the program's order of first reach: its static description (``TagInfo``),
-    and the codes of its first non-finite value and gradient."""
+def _tag_report(split, values: dict, g_eps: dict) -> tuple[tuple, tuple, tuple]:
+    """Per tag name, in the program's order of first reach: its static description (``TagInfo``);
+    which array each operand of the sharding probe is; and the report's arrays: the codes of the
+    first non-finite value and gradient, their entries, and the probe."""
     modules: set = set()
     where = templates(split.program, modules=modules)
+    manual = site_layouts(split.program)
     by_name: dict = {}
     for site in split.sites:
         by_name.setdefault(site.name, []).append(site)
-    infos, value_codes, gradient_codes = [], [], []
+    infos, jobs = [], []
     for rank, (name, group) in enumerate(by_name.items()):
         group = sorted(group, key=lambda s: s.leaf)
         first = group[0]
@@ -138,17 +135,50 @@ def _tag_codes(split, values: dict, g_eps: dict) -> tuple[tuple, list, list]:
         template = where.get(first.key, ("tag", -1 - rank))
         for _ in range(loops - loop_count(template)):  # never expected: a loop the walk did not see
             template = ("loop", -1 - rank, template, False)
+        group = [s for s in group if s.differentiable]  # an integer tag (its gradient is float0) is always finite
+        leaves = tuple(LeafInfo(s.leaf, tuple(s.user_shape()[loops + examples :]), _user_layout(s, manual)) for s in group)
+        invariant = manual[first.key][1] if first.key in manual else ()
         loop_sizes, example_sizes = tuple(user[:loops]), tuple(user[loops : loops + examples])
-        infos.append(TagInfo(name, source(first, first.key in modules), loop_sizes, example_sizes, template))
+        infos.append(TagInfo(name, source(first, first.key in modules), loop_sizes, example_sizes, template, leaves, invariant))
         order = step_order(template, loop_sizes)
-        value_codes.append(_first_code([s.to_user(values[s.key]) for s in group if s.key in values], order, examples, False))
-        grads = [s.to_user(g_eps[s.key]) for s in group if s.key in g_eps]
-        gradient_codes.append(_first_code(grads, order, examples, True))
-    return tuple(infos), value_codes, gradient_codes
+        for backward, arrays in ((False, values), (True, g_eps)):
+            jobs.append((name, backward, [(s, arrays[s.key]) for s in group if s.key in arrays], order, examples))
+    codes = [_first_code([s.to_user(a) for s, a in job[2]], job[3], job[4], job[1]) for job in jobs]
+    entries = _first_entries(jobs, codes)
+    probed = tuple((name, backward, s.leaf) for name, backward, pairs, _, _ in jobs for s, _ in pairs)
+    probe = _nonfinite_shards.probe(*(s.to_user(a) for _, _, pairs, _, _ in jobs for s, a in pairs))
+    rows = [jnp.stack(e) if e else jnp.zeros((0, 1), jnp.int32) for e in (entries[0::2], entries[1::2])]
+    arrays = (_stacked(codes[0::2]), _stacked(codes[1::2]), *rows, probe)
+    return tuple(infos), probed, arrays
+
+
+def _user_layout(site, manual: dict) -> tuple | None:
+    """The layout (``_manual_layout``) of a tag in a shard_map body, on the axes after its stack in
+    the documented order (vmap axes first); None outside shard_map."""
+    if site.key not in manual:
+        return None
+    layout = manual[site.key][0]
+    rest = [i for i in range(len(layout)) if i not in site.batch_axes]
+    return tuple(layout[i] for i in (*site.batch_axes, *rest))
 
 
 def _stacked(codes: list, dtype=jnp.int32):
     return jnp.stack(codes) if codes else jnp.zeros((0,), dtype)
+
+
+def _prefix_numbers(order: StepOrder, examples: int, shape: tuple, backward: bool):
+    """An int32 array of ``shape`` (loop axes, then ``examples`` vmap axes): each entry's ``position
+    * number of examples + flat example``, the position in ``order`` (from the end with ``backward``)."""
+    loops = len(order.loops)
+    example = jnp.zeros(shape, jnp.int32)
+    stride = 1
+    for axis in reversed(range(loops, loops + examples)):
+        example = example + lax.broadcasted_iota(jnp.int32, shape, axis) * stride
+        stride *= shape[axis]
+    position = order.positions(jnp)
+    if backward:
+        position = order.backward(position)
+    return jnp.reshape(position, (*order.loops, *(1,) * examples)) * stride + example
 
 
 def _first_code(leaves: Sequence, order: StepOrder, examples: int, backward: bool):
@@ -161,8 +191,7 @@ def _first_code(leaves: Sequence, order: StepOrder, examples: int, backward: boo
     finite) and a max, so what XLA writes between the elementwise step and the reduction is a
     quarter of an int32 array; the positions are then found on the small per-prefix array.
     """
-    loops = len(order.loops)
-    prefix = loops + examples
+    prefix = len(order.loops) + examples
     worst = None
     for leaf in leaves:
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
@@ -172,15 +201,52 @@ def _first_code(leaves: Sequence, order: StepOrder, examples: int, backward: boo
         worst = per_prefix if worst is None else jnp.maximum(worst, per_prefix)
     if worst is None:
         return jnp.asarray(NONE, jnp.int32)
-    shape = worst.shape
-    example = jnp.zeros(shape, jnp.int32)
-    stride = 1
-    for axis in reversed(range(loops, prefix)):
-        example = example + lax.broadcasted_iota(jnp.int32, shape, axis) * stride
-        stride *= shape[axis]
-    position = order.positions(jnp)
-    if backward:
-        position = (order.size - 1) - position
-    flat = jnp.reshape(position, (*order.loops, *(1,) * examples)) * stride + example
+    flat = _prefix_numbers(order, examples, worst.shape, backward)
     code = jnp.where(worst == 0, NONE, 2 * flat + (worst == 1).astype(jnp.int32))
     return jnp.min(code, initial=NONE)
+
+
+def _first_entries(jobs: list, codes: list) -> list:
+    """For each job (one tag's values or gradients), ``[leaf, i_0, ..., i_{k-1}]``: the first entry
+    (row-major over the value's own axes) of the code's kind at the entry its code names, in the
+    first leaf that has one, padded with zeros to the widest tag; ``-1``s where the code is ``NONE``.
+
+    One pass over a leaf per own axis (a masked min of an iota), in one ``lax.cond``: a program
+    whose tags are all finite runs none of it. No slice of a sharded value is taken at a computed
+    index, which could make XLA gather it."""
+    if not jobs:
+        return []
+    width = 1 + max((len(s.user_shape()) - len(s.stack) - job[4] for job in jobs for s, _ in job[2]), default=0)
+    raw = [[a for _, a in job[2]] for job in jobs]
+
+    def find(codes, raw):
+        return [_first_entry(job, arrays, code, width) for job, arrays, code in zip(jobs, raw, codes)]
+
+    def none(codes, raw):
+        return [jnp.full((width,), -1, jnp.int32) for _ in jobs]
+
+    return lax.cond(jnp.any(jnp.stack(codes) != NONE), find, none, codes, raw)
+
+
+_BIG = np.iinfo(np.int32).max
+
+
+def _first_entry(job: tuple, arrays: list, code, width: int):
+    _, backward, pairs, order, examples = job
+    prefix = len(order.loops) + examples
+    want_inf, number = code % 2 == 1, code // 2
+    result = jnp.full((width,), -1, jnp.int32)
+    for (site, _), raw in reversed(list(zip(pairs, arrays))):  # the first leaf that has one wins
+        leaf = site.to_user(raw)
+        at = _prefix_numbers(order, examples, leaf.shape[:prefix], backward) == number
+        bad = jnp.where(want_inf, jnp.isinf(leaf), jnp.isnan(leaf)) & jnp.reshape(at, (*at.shape, *(1,) * (leaf.ndim - prefix)))
+        index = []
+        for axis in range(prefix, leaf.ndim):
+            iota = lax.broadcasted_iota(jnp.int32, leaf.shape, axis)
+            i = jnp.min(jnp.where(bad, iota, _BIG), initial=_BIG)
+            bad = bad & (iota == i)
+            index.append(i)
+        found = index[0] < _BIG if index else jnp.any(bad)
+        row = jnp.stack([jnp.int32(site.leaf), *index, *[jnp.int32(0)] * (width - 1 - len(index))])
+        result = jnp.where(found, row, result)
+    return result
