@@ -13,6 +13,7 @@ across tags by where each tag sits in the traced program (``_nonfinite_order``).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -25,7 +26,7 @@ from ._arrays import is_inexact_array
 from . import _nonfinite_shards
 from ._manual_layout import site_layouts
 from ._nonfinite_order import StepOrder, loop_count, step_order, templates
-from ._nonfinite_report import NONE, LeafInfo, NonfiniteReport, ReportMeta, TagInfo, source
+from ._nonfinite_report import NONE, LeafInfo, NonfiniteReport, ReportMeta, TagInfo, own_split, source
 from ._paths import param_path, path_name
 from ._checks import check_callable, normalize_argnums
 from ._selection import Selection, TagSelection
@@ -143,13 +144,13 @@ def _tag_report(split, values: dict, g_eps: dict) -> tuple[tuple, tuple, tuple]:
         order = step_order(template, loop_sizes)
         for backward, arrays in ((False, values), (True, g_eps)):
             jobs.append((name, backward, [(s, arrays[s.key]) for s in group if s.key in arrays], order, examples))
-    codes = [_first_code([s.to_user(a) for s, a in job[2]], job[3], job[4], job[1]) for job in jobs]
-    entries = _first_entries(jobs, codes)
+    leaves_of = [[(s.leaf, s.to_user(a)) for s, a in pairs] for _, _, pairs, _, _ in jobs]
+    found = [_first_nonfinite(leaves, order, examples, backward) for leaves, (_, backward, _, order, examples) in zip(leaves_of, jobs)]
+    codes, rows = [c for c, _ in found], [r for _, r in found]
     probed = tuple((name, backward, s.leaf) for name, backward, pairs, _, _ in jobs for s, _ in pairs)
-    probe = _nonfinite_shards.probe(*(s.to_user(a) for _, _, pairs, _, _ in jobs for s, a in pairs))
-    rows = [jnp.stack(e) if e else jnp.zeros((0, 1), jnp.int32) for e in (entries[0::2], entries[1::2])]
-    arrays = (_stacked(codes[0::2]), _stacked(codes[1::2]), *rows, probe)
-    return tuple(infos), probed, arrays
+    probe = _nonfinite_shards.probe(*(a for leaves in leaves_of for _, a in leaves))
+    rows = [jnp.stack(r) if r else jnp.zeros((0, 3), jnp.int32) for r in (rows[0::2], rows[1::2])]
+    return tuple(infos), probed, (_stacked(codes[0::2]), _stacked(codes[1::2]), *rows, probe)
 
 
 def _user_layout(site, manual: dict) -> tuple | None:
@@ -181,72 +182,69 @@ def _prefix_numbers(order: StepOrder, examples: int, shape: tuple, backward: boo
     return jnp.reshape(position, (*order.loops, *(1,) * examples)) * stride + example
 
 
-def _first_code(leaves: Sequence, order: StepOrder, examples: int, backward: bool):
-    """The first non-finite entry of ``leaves`` (one tag, in the documented layout: loop axes,
-    ``examples`` vmap axes, the value's own) in the order the program computes them, as ``2 *
-    (position * number of examples + flat example) + is_inf``; ``NONE`` if all are finite. The
-    position is ``order``'s, counted from the end with ``backward``.
-
-    Each leaf is reduced over its own axes first, as one byte per entry (2: a NaN, 1: an inf, 0:
-    finite) and a max, so what XLA writes between the elementwise step and the reduction is a
-    quarter of an int32 array; the positions are then found on the small per-prefix array.
-    """
-    prefix = len(order.loops) + examples
-    worst = None
-    for leaf in leaves:
-        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            continue  # an integer tag (its gradient is float0) is always finite
-        kind = jnp.where(jnp.isnan(leaf), jnp.int8(2), jnp.where(jnp.isinf(leaf), jnp.int8(1), jnp.int8(0)))
-        per_prefix = jnp.max(kind, axis=tuple(range(prefix, leaf.ndim)), initial=jnp.int8(0))
-        worst = per_prefix if worst is None else jnp.maximum(worst, per_prefix)
-    if worst is None:
-        return jnp.asarray(NONE, jnp.int32)
-    flat = _prefix_numbers(order, examples, worst.shape, backward)
-    code = jnp.where(worst == 0, NONE, 2 * flat + (worst == 1).astype(jnp.int32))
-    return jnp.min(code, initial=NONE)
-
-
-def _first_entries(jobs: list, codes: list) -> list:
-    """For each job (one tag's values or gradients), ``[leaf, i_0, ..., i_{k-1}]``: the first entry
-    (row-major over the value's own axes) of the code's kind at the entry its code names, in the
-    first leaf that has one, padded with zeros to the widest tag; ``-1``s where the code is ``NONE``.
-
-    One pass over a leaf per own axis (a masked min of an iota), in one ``lax.cond``: a program
-    whose tags are all finite runs none of it. No slice of a sharded value is taken at a computed
-    index, which could make XLA gather it."""
-    if not jobs:
-        return []
-    width = 1 + max((len(s.user_shape()) - len(s.stack) - job[4] for job in jobs for s, _ in job[2]), default=0)
-    raw = [[a for _, a in job[2]] for job in jobs]
-
-    def find(codes, raw):
-        return [_first_entry(job, arrays, code, width) for job, arrays, code in zip(jobs, raw, codes)]
-
-    def none(codes, raw):
-        return [jnp.full((width,), -1, jnp.int32) for _ in jobs]
-
-    return lax.cond(jnp.any(jnp.stack(codes) != NONE), find, none, codes, raw)
-
-
 _BIG = np.iinfo(np.int32).max
 
 
-def _first_entry(job: tuple, arrays: list, code, width: int):
-    _, backward, pairs, order, examples = job
+def _first_nonfinite(leaves: Sequence, order: StepOrder, examples: int, backward: bool):
+    """The first non-finite entry of one tag's ``(leaf, array)``s (in the documented layout: loop
+    axes, ``examples`` vmap axes, the value's own) in the order the program computes them: its
+    code, ``2 * (position * number of examples + flat example) + is_inf`` (``NONE`` if all are
+    finite; the position is ``order``'s, counted from the end with ``backward``), and ``[leaf,
+    major, minor]``, where the first entry of that kind there is inside the value (row-major; a
+    NaN if there is one; ``own_split`` says which own axes are ``major``), ``-1``s if none.
+
+    Each leaf is reduced over its own axes in one pass, where every entry is one int32 key (its
+    flat index if it is a NaN, after every NaN's if it is an inf, the largest int32 if it is
+    finite) and a min; the rest works on the small per-prefix arrays. No slice of a sharded value
+    is taken at a computed index (XLA could gather it), and nothing runs only when a NaN is found.
+    """
     prefix = len(order.loops) + examples
-    want_inf, number = code % 2 == 1, code // 2
-    result = jnp.full((width,), -1, jnp.int32)
-    for (site, _), raw in reversed(list(zip(pairs, arrays))):  # the first leaf that has one wins
-        leaf = site.to_user(raw)
-        at = _prefix_numbers(order, examples, leaf.shape[:prefix], backward) == number
-        bad = jnp.where(want_inf, jnp.isinf(leaf), jnp.isnan(leaf)) & jnp.reshape(at, (*at.shape, *(1,) * (leaf.ndim - prefix)))
-        index = []
-        for axis in range(prefix, leaf.ndim):
-            iota = lax.broadcasted_iota(jnp.int32, leaf.shape, axis)
-            i = jnp.min(jnp.where(bad, iota, _BIG), initial=_BIG)
-            bad = bad & (iota == i)
-            index.append(i)
-        found = index[0] < _BIG if index else jnp.any(bad)
-        row = jnp.stack([jnp.int32(site.leaf), *index, *[jnp.int32(0)] * (width - 1 - len(index))])
-        result = jnp.where(found, row, result)
-    return result
+    found = [(leaf_id, *_per_prefix(a, prefix)) for leaf_id, a in leaves if jnp.issubdtype(a.dtype, jnp.inexact)]
+    if not found:  # an integer tag (its gradient is float0) is always finite
+        return jnp.asarray(NONE, jnp.int32), jnp.full((3,), -1, jnp.int32)
+    worst = found[0][1]
+    for _, kind, _, _ in found[1:]:
+        worst = jnp.maximum(worst, kind)
+    flat = _prefix_numbers(order, examples, worst.shape, backward)
+    code = jnp.min(jnp.where(worst == 0, NONE, 2 * flat + (worst == 1).astype(jnp.int32)), initial=NONE)
+    at = flat == code // 2
+    want = jnp.where(code % 2 == 1, jnp.int8(1), jnp.int8(2))
+    row = jnp.full((3,), -1, jnp.int32)
+    for leaf_id, kind, major, minor in reversed(found):  # the first leaf that has one wins
+        here = at & (kind == want)
+        minor = jnp.min(jnp.where(here, minor, _BIG), initial=_BIG)
+        major = jnp.int32(0) if major is None else jnp.min(jnp.where(here, major, _BIG), initial=_BIG)
+        row = jnp.where(minor < _BIG, jnp.stack([jnp.int32(leaf_id), major, minor]), row)
+    return code, row
+
+
+def _per_prefix(leaf, prefix: int):
+    """Per entry of the ``prefix`` leading axes: ``(kind, major, minor)`` of the first non-finite
+    entry of the worst kind (2: a NaN, 1: an inf, 0: none) among the value's own axes; ``major``
+    None where the own axes are all minor (fewer than 2**30 entries: one key holds the index)."""
+    own = leaf.shape[prefix:]
+    m = own_split(own)
+    axes = tuple(range(prefix + m, leaf.ndim))
+    size = math.prod(own[m:])
+    index = _flat_iota(leaf.shape, axes)
+    key = jnp.where(jnp.isnan(leaf), index, jnp.where(jnp.isinf(leaf), size + index, _BIG))
+    per = jnp.min(key, axis=axes, initial=_BIG)
+    kind = jnp.where(per < size, jnp.int8(2), jnp.where(per < _BIG, jnp.int8(1), jnp.int8(0)))
+    minor = jnp.where(per < size, per, per - size)
+    if m == 0:
+        return kind, None, minor
+    major_axes = tuple(range(prefix, prefix + m))
+    major = _flat_iota(kind.shape, major_axes)
+    worst = jnp.max(kind, axis=major_axes, keepdims=True)
+    first = jnp.min(jnp.where(kind == worst, major, _BIG), axis=major_axes, keepdims=True)
+    minor = jnp.min(jnp.where(major == first, minor, _BIG), axis=major_axes)
+    return jnp.squeeze(worst, major_axes), jnp.squeeze(first, major_axes), minor
+
+
+def _flat_iota(shape: tuple, axes: tuple):
+    """int32 of ``shape``: each entry's row-major flat index over ``axes``."""
+    index, stride = jnp.zeros((), jnp.int32), 1
+    for axis in reversed(axes):
+        index = index + lax.broadcasted_iota(jnp.int32, shape, axis) * stride
+        stride *= shape[axis]
+    return index

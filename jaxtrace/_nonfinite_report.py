@@ -22,9 +22,19 @@ from ._nonfinite_order import SHARD, entry_order, program_key, step_order
 from ._nonfinite_shards import shard_at
 from ._sites import Site
 
-__all__ = ["NONE", "LeafInfo", "NonfiniteAt", "NonfiniteReport", "ReportMeta", "TagInfo", "source"]
+__all__ = ["NONE", "LeafInfo", "NonfiniteAt", "NonfiniteReport", "ReportMeta", "TagInfo", "own_split", "source"]
 
 NONE = np.iinfo(np.int32).max  # the code of a tag with no non-finite entry
+_MINOR = 2**30  # the most entries whose index (and is_inf) one int32 key holds
+
+
+def own_split(shape: tuple) -> int:
+    """How many leading axes of a value's own ``shape`` the device indexes apart (``major``): the
+    fewest that leave fewer than 2**30 entries (almost always 0)."""
+    m = 0
+    while m < len(shape) and math.prod(shape[m:]) >= _MINOR:
+        m += 1
+    return m
 
 
 # --- static description of the tags ------------------------------------------------------------
@@ -361,7 +371,11 @@ class _Where:
         leaf = None if row is None or row[0] < 0 else next((x for x in tag.leaves if x.leaf == row[0]), None)
         self.leaf = leaf.leaf if leaf is not None else 0
         self.info = leaf
-        self.entry = tuple(int(i) for i in row[1 : 1 + len(leaf.shape)]) if leaf is not None else ()
+        self.entry = ()
+        if leaf is not None:  # row: [leaf, major, minor] (own_split)
+            m = own_split(leaf.shape)
+            major = np.unravel_index(row[1], leaf.shape[:m]) if m else ()
+            self.entry = tuple(int(i) for i in (*major, *np.unravel_index(row[2], leaf.shape[m:])))
 
     def at(self, kind: str, probe: int | None, operand: int | None) -> NonfiniteAt:
         examples, entry, local = self.examples, self.entry, False

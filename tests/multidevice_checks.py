@@ -830,6 +830,89 @@ def find_nonfinite_shard_map():
                 assert "finite up to 'layer' (scan step 0) and not at 'layer'" in str(report), f"{what}: {report}"
 
 
+@check
+def find_nonfinite_replicated_and_unknown():
+    """A NaN in a replicated parameter: under jit the report says every device holds it (as the
+    plain jitted value is laid out); inside shard_map with check_vma the value is one value, the
+    same on every shard (replicated), and without check_vma each shard's copy is its own (the
+    lowest shard is named). A tag whose rows jaxtrace cannot follow across the shards (a cumsum
+    along the split axis) keeps the shard's own indices, and says so."""
+    mesh = mesh2d()
+    batch = P(("data", "model"))
+    w_np, x_np = np.asarray(PARAMS["w1"]).copy(), np.asarray(X).copy()
+    w_np[1, 2] = np.nan
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ jt.tag(w * 2.0, "w")))
+
+    w, x = put((w_np, x_np), mesh, (P(), batch))
+    plain = jax.jit(lambda w: w * 2.0)(w).sharding
+    for wrap in (jax.jit, lambda f: f):
+        at = wrap(jt.find_nonfinite(loss))(w, x).first_value
+        assert (at.name, at.entry) == ("w", (1, 2)), at
+        assert (at.shard, at.replicated) == holders(plain, (3, 4), (1, 2)), f"jit: {at}, the plain value on {holders(plain, (3, 4), (1, 2))}"
+    report = jax.jit(jt.find_nonfinite(loss))(w, x)
+    assert report.first_value.replicated == ("data", "model") and "on every device: it is replicated" in str(report), report
+
+    def body(w, x):
+        return lax.psum(loss(w, x), ("data", "model"))
+
+    for check_vma, replicated in ((True, ("data", "model")), (False, ())):
+        report = jax.jit(jt.find_nonfinite(lambda w, x: smap(body, mesh, (P(), batch), P(), check_vma)(w, x)))(w_np, x)
+        at = report.first_value
+        assert (at.name, at.entry, at.shard, at.replicated) == ("w", (1, 2), {"data": 0, "model": 0}, replicated), f"check_vma={check_vma}: {at}"
+
+    x_np[11, 1] = np.nan  # row 11: row 1 of the shard data=2, model=1
+
+    def mixed(w, x):
+        return lax.psum(jnp.sum(jt.tag(jnp.cumsum(x, axis=0), "running") ** 2) + jnp.sum(jt.tag(x * 2.0, "rows") ** 2), ("data", "model"))
+
+    sharded_mixed = lambda w, x: smap(mixed, mesh, (P(), batch), P(), True)(w, x)  # noqa: E731
+    report = jax.jit(jt.find_nonfinite(sharded_mixed))(w_np, put(x_np, mesh, batch))
+    at = report.first_value
+    assert (at.name, at.entry, at.shard, at.local) == ("running", (1, 1), {"data": 2, "model": 1}, True), at
+    assert "that shard's own" in str(report), report
+    rows = jax.jit(jt.find_nonfinite(sharded_mixed, tags="rows"))(w_np, put(x_np, mesh, batch)).first_value
+    assert (rows.entry, rows.shard, rows.local) == ((11, 1), {"data": 2, "model": 1}, False), rows
+
+
+@check
+def find_nonfinite_collectives():
+    """What the report adds to the compiled step, against jt.value_and_grad(with_values=True) of
+    the same loss (float32; data parallel, FSDP, 4x2 tensor parallel, shard_map): only all-reduces
+    of the report's own int32 scalars (per tag a code and an entry for the values and the
+    gradients, per parameter a flag and a count), never a value moved. The sharding probe leaves
+    nothing in the compiled program, and there is no conditional."""
+    mesh = mesh2d()
+    f32 = lambda tree: jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), tree)  # noqa: E731
+    params_np, x_np, xs_np, _ = f32(nan_inputs("value"))
+    batch = P(("data", "model"))
+
+    def per_shard(params, x, xs):
+        body = lambda p, x, xs: lax.psum(nan_tagged(p, x, xs), ("data", "model"))  # noqa: E731
+        return smap(body, mesh, (P(), batch, P(None, *batch)), P(), True)(params, x, xs)
+
+    replicated = {"w1": P(), "b1": P(), "ws": P(), "w2": P()}
+    layouts = {
+        "data parallel": (nan_tagged, replicated, batch),
+        "fsdp": (nan_tagged, {"w1": P(None, "data"), "b1": P("data"), "ws": P(None, "data"), "w2": P("data")}, P("data")),
+        "tensor parallel 4x2": (nan_tagged, {"w1": P(None, "model"), "b1": P("model"), "ws": P(None, None, "model"), "w2": P("model")}, P("data")),
+        "shard_map": (per_shard, replicated, batch),
+    }
+    most = 2 * (3 + len(params_np))  # 3 tags, 4 parameters: the scalars of one all-reduce round
+    for layout, (loss, param_specs, batch_spec) in layouts.items():
+        params = put(params_np, mesh, param_specs)
+        x, xs = put((x_np, xs_np), mesh, (batch_spec, P(None, *batch_spec)))
+        plain_text = jax.jit(jt.value_and_grad(loss, with_values=True)).lower(params, x, xs).compile().as_text()
+        text = jax.jit(jt.find_nonfinite(loss)).lower(params, x, xs).compile().as_text()
+        added = collectives(text)
+        for op in collectives(plain_text):
+            if op in added:
+                added.remove(op)
+        assert all(kind == "all-reduce" and n <= most for kind, n in added) and len(added) <= 6, f"{layout}: {added} beyond the plain step's"
+        assert "InspectSharding" not in text and " conditional(" not in text, f"{layout}: the probe or a conditional is in the compiled program"
+
+
 def main(names):
     results = {}
     for name in names or CHECKS:
