@@ -68,17 +68,15 @@ def _unknown(atom) -> Layout:
 
 
 def _combine(layouts) -> Layout:
-    """The layout of a value computed entry by entry from values of these layouts (one shape)."""
+    """The layout of a value computed entry by entry from values of these layouts (one shape); also
+    of one value seen several times (a loop's carry from step to step, a tag called twice, a
+    cond's branches): a whole axis agrees with a split one (the split one's blocks are what each
+    shard holds), two different splits do not."""
     out = []
     for dims in zip(*layouts):
         split = {d for d in dims if d != ()}
         out.append(None if None in split or len(split) > 1 else split.pop() if split else ())
     return tuple(out)
-
-
-def _merge(a: Layout | None, b: Layout) -> Layout:
-    """One value seen twice (a loop's carry before and after a step, a tag called twice)."""
-    return b if a is None else tuple(x if x == y else None for x, y in zip(a, b))
 
 
 class _Walk:
@@ -99,7 +97,8 @@ class _Walk:
                 key = (eqn.params["name"], eqn.params["leaf"])
                 varying = self.params.varying_axes(eqn.invars[0].aval)
                 invariant = tuple(a for a in self.params.axes if a not in varying)
-                layout = _merge(self.found.get(key, (None,))[0], layouts[0])
+                seen = self.found.get(key)
+                layout = layouts[0] if seen is None else _combine([seen[0], layouts[0]])
                 self.found[key] = (layout, invariant)
             env.update(zip(eqn.outvars, self.rule(eqn, layouts)))
         return [read(a) for a in jaxpr.outvars]
@@ -305,9 +304,9 @@ def _scan(walk, eqn, layouts):
     p = _equation_params.scan_params(eqn)
     consts, carry, xs = layouts[: p.num_consts], layouts[p.num_consts : p.num_consts + p.num_carry], layouts[p.num_consts + p.num_carry :]
     xs = [layout[1:] if layout[:1] == ((),) else (None,) * (len(layout) - 1) for layout in xs]
-    for _ in range(1 + sum(map(len, carry))):  # each pass that changes the carry makes an axis unknown
+    for _ in range(1 + 2 * sum(map(len, carry))):  # each pass that changes the carry splits or loses an axis
         outs = walk.run(p.body, [*consts, *carry, *xs])
-        merged = [_merge(c, o) for c, o in zip(carry, outs[: p.num_carry])]
+        merged = [_combine([c, o]) for c, o in zip(carry, outs[: p.num_carry])]
         if merged == carry:
             break
         carry = merged
@@ -318,7 +317,7 @@ def _cond(walk, eqn, layouts):
     outs = None
     for branch in _equation_params.cond_branches(eqn):
         found = walk.run(branch, layouts[1:])
-        outs = found if outs is None else [_merge(a, b) for a, b in zip(outs, found)]
+        outs = found if outs is None else [_combine([a, b]) for a, b in zip(outs, found)]
     return outs
 
 

@@ -5,9 +5,13 @@ The function is split at its tags as for ``jaxtrace.value_and_grad(..., with_val
 to one small integer: the first non-finite entry of its loop and vmap axes, in the order the
 program computes them (``_nonfinite_order.StepOrder``: a reversed scan from its last index down;
 the cotangents in the opposite order, which the backward pass computes), and whether it is a NaN
-or an inf; each differentiated leaf to a count of its own non-finite entries. Whole arrays never
-leave the program. On the host, ``NonfiniteReport`` (``_nonfinite_report``) compares those entries
-across tags by where each tag sits in the traced program (``_nonfinite_order``).
+or an inf, with where that entry is inside the value (three more integers); each differentiated
+leaf to a count of its own non-finite entries. Whole arrays never leave the program. One more
+integer names the shardings the compiler gives the tags' arrays (``_nonfinite_shards``). On the
+host, ``NonfiniteReport`` (``_nonfinite_report``) compares those entries across tags by where each
+tag sits in the traced program (``_nonfinite_order``), and names the device that held one: from
+that sharding, or inside ``shard_map`` from the shard's coordinates and the layout of the body's
+values across the shards (``_manual_layout``).
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ def find_nonfinite(
     program to the position of its first non-finite entry (no arrays leave it). On the host,
     ``report.first_value`` is the first tag the program computes with a non-finite value,
     ``report.first_gradient`` the first the backward pass computes with a non-finite gradient, each
-    with its loop step and vmapped example; ``report.nonfinite_params`` the differentiated leaves
-    already not finite (in parameters, an earlier update made them); ``str(report)`` says where.
+    with its loop step, vmapped example and entry inside the value (global indices, also in a
+    sharded step) and, on several devices, the mesh coordinates of the device that held it;
+    ``report.nonfinite_params`` the differentiated leaves already not finite (in parameters, an
+    earlier update made them); ``str(report)`` says where.
 
     Tag the places to watch with ``jt.tag``, or every module of an equinox or Flax NNX model with
     ``jt.tag_modules``. The gradient is taken with respect to the inexact (floating) array leaves of

@@ -170,7 +170,8 @@ class NonfiniteReport:
         value: the function's value.
         aux: its auxiliary output, with ``has_aux=True`` (else ``None``).
         first_value: ``None`` if every tagged value is finite, else a ``NonfiniteAt`` for the first
-            tag, in the order the program computes them, with a non-finite entry.
+            tag, in the order the program computes them, with a non-finite entry: its loop step,
+            example and entry inside the value, and on several devices the shard that held it.
         first_gradient: the same for the gradients (cotangents) at the tags, in the order the
             backward pass computes them (the reverse of the forward order).
         params: the paths of the differentiated leaves whose gradient has a non-finite entry.
@@ -381,8 +382,9 @@ class _Where:
         examples, entry, local = self.examples, self.entry, False
         shard, replicated = None, ()
         if self.manual:  # inside shard_map: the shard that computed it, and the global indices
-            shard = {axis: c for axis, (c, _) in self.manual.items()}
-            replicated = self.tag.invariant
+            if math.prod(n for _, n in self.manual.values()) > 1:  # on one device: no shard, as under jit
+                shard = {axis: c for axis, (c, _) in self.manual.items()}
+                replicated = self.tag.invariant
             if self.info is not None:
                 layout = self.info.layout or (None,) * (len(self.examples) + len(self.info.shape))
                 sizes = (*self.tag.examples, *self.info.shape)
