@@ -13,13 +13,17 @@ one process per host. Every worker runs the same jitted step on a global mesh
 - a ``lax.scan`` over time steps whose state is tagged ``"state"`` (one
   gradient per step);
 - ``jt.value_and_grad(..., with_values=True)`` for the leaf and tag gradients
-  and the tag values, and ``jt.stats.summarize`` for per-tag statistics.
+  and the tag values, and ``jt.stats.summarize`` for per-tag statistics;
+- ``jt.find_nonfinite`` on the same step with a NaN in the scan's input at
+  step 3 of example 5: each process prints the report (the tag, the step, the
+  entry and the shard that held it), the same on every process.
 
 Tag gradients are global ``jax.Array``s, sharded as a plain output of the
 tagged value would be; each process holds (and prints) its addressable
-shards. The statistics are replicated scalars. With ``--check`` every worker
-also computes the same step in one process, unsharded, and checks each of its
-shards against the matching slice of that reference.
+shards. The statistics and the report's integers are replicated scalars. With
+``--check`` every worker also computes the same step in one process,
+unsharded, and checks each of its shards against the matching slice of that
+reference, and the report's tag, steps and entry against that process's.
 """
 
 import argparse
@@ -139,6 +143,19 @@ def worker(index: int, processes: int, port: int, check: bool) -> None:
                 np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-12, atol=1e-14)
                 checked += 1
         print(f"  CHECK OK: {checked} addressable shards match the single-process reference")
+
+    poisoned = xs.copy()
+    poisoned[3, 5, 2] = np.nan  # the scan's input at step 3, example 5
+    report = jax.jit(jt.find_nonfinite(loss))(params, gx, put(poisoned, P(None, "data")))
+    print(f"  REPORT: {report}")
+    if check:
+        one = jax.jit(jt.find_nonfinite(loss))(*jax.device_put(({"w1": w1, "wr": wr}, x, poisoned), cpu0))
+        for side in ("first_value", "first_gradient"):
+            got, want = getattr(report, side), getattr(one, side)
+            fields = lambda at: (at.name, at.steps, at.examples, at.entry, at.kind)  # noqa: E731
+            assert fields(got) == fields(want), f"{side}: {fields(got)}, one process: {fields(want)}"
+            assert want.shard is None and got.shard["data"] == got.entry[0] // (B // mesh.shape["data"]), got
+        print("  NONFINITE CHECK OK: the report's tags, steps and entries are the single-process report's")
     jax.distributed.shutdown()
 
 

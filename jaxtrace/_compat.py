@@ -21,6 +21,7 @@ from jax.interpreters import mlir as _public_mlir
 
 # What has no public spelling at both ends of the supported range (JAX 0.7.2 to 0.12).
 from jax._src import core as _core  # DropVar: jax.core's until 0.10 (deprecated), jax.extend.core's from 0.11
+from jax._src import dispatch as _dispatch  # which primitives need the devices while they are lowered
 from jax._src import source_info_util as _source_info_util
 from jax._src.interpreters import ad as _ad  # the linearize rules and LinearizeTracer
 from jax._src.interpreters import batching as _batching  # moveaxis, not_mapped: gone from the public module
@@ -45,6 +46,7 @@ __all__ = [
     "is_zero",
     "jaxpr_and_consts",
     "moveaxis_batched",
+    "needs_devices_when_lowered",
     "name_stack_context",
     "not_mapped",
     "read",
@@ -143,6 +145,15 @@ def define_primitive(
 
         _jet.jet_rules[prim] = jet
     return prim
+
+
+def needs_devices_when_lowered(prim: Primitive) -> None:
+    """Give ``prim``'s lowering rule the device assignment, as JAX gives it to the primitive of
+    ``jax.debug.inspect_array_sharding`` (whose lowering needs the mesh's devices)."""
+    registry = getattr(_dispatch, "prim_requires_devices_during_lowering", None)
+    if registry is None:
+        raise unknown_layout("the primitives that need their devices when lowered (`prim_requires_devices_during_lowering`)")
+    registry.add(prim)
 
 
 def _adapt_linearize(rule, takes_is_vjp: bool, structured: bool):

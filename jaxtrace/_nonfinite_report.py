@@ -1,8 +1,10 @@
 """``NonfiniteReport``: what ``jaxtrace.find_nonfinite`` found, read and told on the host.
 
 Its leaves are one small integer per tag for the values and for the gradients (the first
-non-finite entry, coded as ``2 * flat index + is_inf``, or ``NONE``); which tag is which and where
-each sits in the program is static, in its tree structure, so the report can leave ``jax.jit``.
+non-finite entry, coded as ``2 * flat index + is_inf``, or ``NONE``), a few more per tag for where
+that entry is inside the value, and one that names the shardings the compiler chose
+(``_nonfinite_shards``); which tag is which and where each sits in the program is static, in its
+tree structure, so the report can leave ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,23 @@ import jax
 import numpy as np
 
 from . import _compat
-from ._nonfinite_order import entry_order, step_order
+from ._nonfinite_order import SHARD, entry_order, program_key, step_order
+from ._nonfinite_shards import shard_at
 from ._sites import Site
 
-__all__ = ["NONE", "NonfiniteAt", "NonfiniteReport", "ReportMeta", "TagInfo", "source"]
+__all__ = ["NONE", "LeafInfo", "NonfiniteAt", "NonfiniteReport", "ReportMeta", "TagInfo", "own_split", "source"]
 
 NONE = np.iinfo(np.int32).max  # the code of a tag with no non-finite entry
+_MINOR = 2**30  # the most entries whose index (and is_inf) one int32 key holds
+
+
+def own_split(shape: tuple) -> int:
+    """How many leading axes of a value's own ``shape`` the device indexes apart (``major``): the
+    fewest that leave fewer than 2**30 entries (almost always 0)."""
+    m = 0
+    while m < len(shape) and math.prod(shape[m:]) >= _MINOR:
+        m += 1
+    return m
 
 
 # --- static description of the tags ------------------------------------------------------------
@@ -39,14 +52,27 @@ def source(site: Site, module: bool) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeafInfo:
+    """One floating leaf of a tag: its index in the tagged pytree, its own shape (one shard's, in a
+    shard_map body), and there the layout of its vmap and own axes across the shards
+    (``_manual_layout``; None outside shard_map)."""
+
+    leaf: int
+    shape: tuple
+    layout: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TagInfo:
     """One tag name, as the report needs it on the host."""
 
     name: str
     source: str
-    loops: tuple  # the sizes of its loop axes (outer first)
+    loops: tuple  # the sizes of its stack axes, loops and shard_map mesh axes (outer first)
     examples: tuple  # the sizes of its vmap axes (outer first)
     template: tuple
+    leaves: tuple = ()  # LeafInfo of each floating leaf
+    invariant: tuple = ()  # in a shard_map body: the mesh axes along which it is the same on every shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +83,7 @@ class ReportMeta:
     params: tuple  # the path of each differentiated leaf
     has_aux: bool
     sizes: tuple = ()  # the number of entries of each differentiated leaf
+    probed: tuple = ()  # (tag name, is gradient, leaf) of each array the sharding probe looked at
 
 
 # --- the report ------------------------------------------------------------------------------------
@@ -73,10 +100,23 @@ class NonfiniteAt:
         source: ``"file:line"`` of the ``jt.tag`` call, or the module path for ``jt.tag_modules``.
         kind: ``"NaN"`` or ``"inf"``.
         steps: the loop part of ``index``.
-        examples: the vmap part of ``index``.
+        examples: the vmap part of ``index``: global indices, into the whole batch, also under a
+            sharded ``jax.jit`` and inside ``jax.shard_map`` (see ``local``).
         loop_kinds: ``"scan step"``, ``"reverse scan step"`` (a ``lax.scan(..., reverse=True)``,
             which computes its last index first) or ``"call"`` (repeated calls) for each entry of
             ``steps``.
+        entry: the index of the first non-finite entry (of that kind) inside the tagged value, at
+            those steps and examples: its own axes, global as ``examples`` are; ``()`` for a
+            scalar. For a batch that is not vmapped, ``entry[0]`` is the example.
+        leaf: which leaf of the tagged pytree holds it (``0`` for an array).
+        shard: ``{mesh axis: coordinate}`` of the device that held it, for a program on more than
+            one device: the compiler's sharding of the value under ``jax.jit``, the shard that
+            computed it inside ``jax.shard_map`` (its manual axes); ``None`` on one device.
+            Along an axis of ``replicated`` every device holds a copy, and the lowest is named.
+        replicated: the mesh axes along which the value is the same on every device.
+        local: inside ``jax.shard_map``, ``True`` where jaxtrace could not follow how the value's
+            axes are laid out across the shards: ``examples`` and ``entry`` are then that
+            shard's own indices.
     """
 
     name: str
@@ -86,15 +126,36 @@ class NonfiniteAt:
     steps: tuple = ()
     examples: tuple = ()
     loop_kinds: tuple = ()
+    entry: tuple = ()
+    leaf: int = 0
+    shard: dict | None = dataclasses.field(default=None, hash=False)
+    replicated: tuple = ()
+    local: bool = False
+    _stack: tuple = dataclasses.field(default=(), repr=False, compare=False)  # loop steps and shard coordinates
 
     def where(self) -> str:
-        """``", scan step 4, example 1"``: the entry, for a sentence."""
+        """``", scan step 4, example 1"``: the entry, for a sentence; on several devices, with the
+        entry inside the value and the shard: ``", entry [11, 0] (on the shard data=2, model=1)"``."""
         parts = [f"{kind} {step}" for kind, step in zip(self.loop_kinds, self.steps)]
         if len(self.examples) == 1:
             parts.append(f"example {self.examples[0]}")
         elif self.examples:
             parts.append(f"example {self.examples} (outer vmap first)")
-        return "".join(", " + p for p in parts)
+        if self.shard is not None and self.entry:
+            parts.append(f"entry {list(self.entry)}")
+        return "".join(", " + p for p in parts) + ("" if self.shard is None else f" ({self._on()})")
+
+    def _on(self) -> str:
+        split = [f"{axis}={c}" for axis, c in self.shard.items() if axis not in self.replicated]  # pyright: ignore
+        if not split:
+            where = "on every device: it is replicated"
+        else:
+            where = "on the shard " + ", ".join(split)
+            if self.replicated:
+                where += f", a copy on every shard along {' and '.join(map(repr, self.replicated))}"
+        if self.local:
+            where += "; the indices are that shard's own: how its value sits in the global arrays is not known"
+        return where
 
 
 @jax.tree_util.register_pytree_node_class
@@ -109,7 +170,8 @@ class NonfiniteReport:
         value: the function's value.
         aux: its auxiliary output, with ``has_aux=True`` (else ``None``).
         first_value: ``None`` if every tagged value is finite, else a ``NonfiniteAt`` for the first
-            tag, in the order the program computes them, with a non-finite entry.
+            tag, in the order the program computes them, with a non-finite entry: its loop step,
+            example and entry inside the value, and on several devices the shard that held it.
         first_gradient: the same for the gradients (cotangents) at the tags, in the order the
             backward pass computes them (the reverse of the forward order).
         params: the paths of the differentiated leaves whose gradient has a non-finite entry.
@@ -119,7 +181,10 @@ class NonfiniteReport:
         names: the tag names, in the order the program first reaches them.
     """
 
-    def __init__(self, value, aux, value_codes, gradient_codes, param_bad, param_counts, meta: ReportMeta):
+    def __init__(
+        self, value, aux, value_codes, gradient_codes, param_bad, param_counts, meta: ReportMeta,
+        value_entries=None, gradient_entries=None, probe=None,
+    ):  # fmt: skip
         self.value = value
         self.aux = aux
         self._value_codes = value_codes
@@ -127,20 +192,23 @@ class NonfiniteReport:
         self._param_bad = param_bad
         self._param_counts = param_counts
         self._meta = meta
+        self._value_entries = value_entries
+        self._gradient_entries = gradient_entries
+        self._probe = probe
 
     def tree_flatten(self):
         children = (self.value, self.aux, self._value_codes, self._gradient_codes, self._param_bad, self._param_counts)
-        return children, self._meta
+        return (*children, self._value_entries, self._gradient_entries, self._probe), self._meta
 
     @classmethod
     def tree_unflatten(cls, meta, children):
-        return cls(*children, meta)
+        return cls(*children[:6], meta, *children[6:])
 
     @property
     def names(self) -> list[str]:
         return [t.name for t in self._meta.tags]
 
-    def _codes(self, codes) -> np.ndarray:
+    def _codes(self, codes, ndim: int = 1) -> np.ndarray:
         if isinstance(codes, _compat.Tracer):
             raise TypeError(
                 "A NonfiniteReport is read on the host, after the call: its properties cannot be used inside "
@@ -148,7 +216,7 @@ class NonfiniteReport:
                 "jitted function and read it there."
             )
         codes = np.asarray(codes)
-        if codes.ndim != 1:
+        if codes.ndim != ndim:
             raise ValueError(
                 f"This NonfiniteReport holds its per-tag entries with shape {codes.shape}, not one per tag: a "
                 "transform around jaxtrace.find_nonfinite (jax.vmap) added axes to them. Put the jax.vmap inside "
@@ -156,32 +224,36 @@ class NonfiniteReport:
             )
         return codes
 
-    def _found(self, codes, backward: bool) -> list[tuple[tuple, NonfiniteAt]]:
+    def _found(self, codes, entries, backward: bool) -> list[tuple[tuple, NonfiniteAt]]:
         """``(sort key, NonfiniteAt)`` for every tag with a non-finite entry."""
         found = []
-        for tag, code in zip(self._meta.tags, self._codes(codes).tolist()):
+        rows = None if entries is None else self._codes(entries, 2).tolist()
+        probe = None if self._probe is None else int(self._codes(self._probe, 0))
+        for i, (tag, code) in enumerate(zip(self._meta.tags, self._codes(codes).tolist())):
             if code == NONE:
                 continue
             flat, inf = divmod(int(code), 2)
             order = step_order(tag.template, tag.loops)
             position, example = divmod(flat, math.prod(tag.examples))
             if backward:  # the device counted the positions from the last
-                position = order.size - 1 - position
-            steps = order.steps(position)
+                position = order.backward(position)
+            stack = order.steps(position)
             examples = tuple(int(i) for i in np.unravel_index(example, tag.examples)) if tag.examples else ()
-            key, kinds = entry_order(tag.template, steps)
-            kind = "inf" if inf else "NaN"
-            found.append((key, NonfiniteAt(tag.name, (*steps, *examples), tag.source, kind, steps, examples, kinds)))
+            key, kinds = entry_order(tag.template, stack)
+            where = _Where(tag, stack, kinds, examples, None if rows is None else rows[i])
+            operand = _index_of(self._meta.probed, (tag.name, backward, where.leaf))
+            at = where.at("inf" if inf else "NaN", probe, operand)
+            found.append((key, at))
         return found
 
     @property
     def first_value(self) -> NonfiniteAt | None:
-        found = self._found(self._value_codes, backward=False)
+        found = self._found(self._value_codes, self._value_entries, backward=False)
         return min(found, key=lambda f: f[0])[1] if found else None
 
     @property
     def first_gradient(self) -> NonfiniteAt | None:
-        found = self._found(self._gradient_codes, backward=True)
+        found = self._found(self._gradient_codes, self._gradient_entries, backward=True)
         return max(found, key=lambda f: f[0])[1] if found else None
 
     @property
@@ -195,8 +267,9 @@ class NonfiniteReport:
         return {p: int(n) for p, n in zip(self._meta.params, counts.tolist()) if n}
 
     def _neighbour(self, at: NonfiniteAt, before: bool) -> NonfiniteAt | None:
-        """The entry the program computes just before (or after) ``at``, among all the tags."""
-        target, _ = entry_order(self._tag(at.name).template, at.steps)
+        """The entry the program computes just before (or after) ``at``, among all the tags (the
+        shards of one step run at once: none is before another)."""
+        target = program_key(self._tag(at.name).template, at._stack)
         best = None
         for tag in self._meta.tags:
             order = step_order(tag.template, tag.loops)
@@ -205,7 +278,7 @@ class NonfiniteReport:
             lo, hi = 0, order.size
             while lo < hi:
                 mid = (lo + hi) // 2
-                key = entry_order(tag.template, order.steps(mid))[0]
+                key = program_key(tag.template, order.steps(mid))
                 if key < target or (not before and key == target):
                     lo = mid + 1
                 else:
@@ -213,10 +286,10 @@ class NonfiniteReport:
             position = lo - 1 if before else lo
             if not 0 <= position < order.size:
                 continue
-            steps = order.steps(position)
-            key, kinds = entry_order(tag.template, steps)
+            stack = order.steps(position)
+            key = program_key(tag.template, stack)
             if best is None or (key > best[0] if before else key < best[0]):
-                best = (key, NonfiniteAt(tag.name, steps, tag.source, "", steps, (), kinds))
+                best = (key, _Where(tag, stack, entry_order(tag.template, stack)[1], (), None).at("", None, None))
         return None if best is None else best[1]
 
     def _tag(self, name: str) -> TagInfo:
@@ -284,6 +357,68 @@ class NonfiniteReport:
 
     def __repr__(self) -> str:
         return f"NonfiniteReport({self})"
+
+
+class _Where:
+    """One entry of a tag, decoded: its loop steps and shard coordinates (``stack``, whose ``kinds``
+    ``entry_order`` gives), its vmapped example, and ``row``, the device's ``[leaf, i_0, ...]``."""
+
+    def __init__(self, tag: TagInfo, stack: tuple, kinds: tuple, examples: tuple, row: list | None):
+        self.tag, self.stack, self.examples = tag, stack, examples
+        shard = [k.startswith(SHARD + " ") for k in kinds]
+        self.steps = tuple(s for s, m in zip(stack, shard) if not m)
+        self.loop_kinds = tuple(k for k, m in zip(kinds, shard) if not m)
+        self.manual = {k[len(SHARD) + 1 :]: (s, n) for s, k, n, m in zip(stack, kinds, tag.loops, shard) if m}
+        leaf = None if row is None or row[0] < 0 else next((x for x in tag.leaves if x.leaf == row[0]), None)
+        self.leaf = leaf.leaf if leaf is not None else 0
+        self.info = leaf
+        self.entry = ()
+        if leaf is not None:  # row: [leaf, major, minor] (own_split)
+            m = own_split(leaf.shape)
+            major = np.unravel_index(row[1], leaf.shape[:m]) if m else ()
+            self.entry = tuple(int(i) for i in (*major, *np.unravel_index(row[2], leaf.shape[m:])))
+
+    def at(self, kind: str, probe: int | None, operand: int | None) -> NonfiniteAt:
+        examples, entry, local = self.examples, self.entry, False
+        shard, replicated = None, ()
+        if self.manual:  # inside shard_map: the shard that computed it, and the global indices
+            if math.prod(n for _, n in self.manual.values()) > 1:  # on one device: no shard, as under jit
+                shard = {axis: c for axis, (c, _) in self.manual.items()}
+                replicated = self.tag.invariant
+            if self.info is not None:
+                layout = self.info.layout or (None,) * (len(self.examples) + len(self.info.shape))
+                sizes = (*self.tag.examples, *self.info.shape)
+                indices, local = _global(self.manual, layout, sizes, (*examples, *entry))
+                examples, entry = indices[: len(examples)], indices[len(examples) :]
+        elif probe is not None and operand is not None and self.info is not None:
+            found = shard_at(probe, operand, (*self.stack, *self.examples, *self.entry))
+            if found is not None:
+                shard, replicated = found
+        return NonfiniteAt(
+            self.tag.name, (*self.steps, *examples), self.tag.source, kind, self.steps, examples, self.loop_kinds,
+            entry, self.leaf, shard, replicated, local, self.stack,
+        )  # fmt: skip
+
+
+def _global(manual: dict, layout: tuple, sizes: tuple, local: tuple) -> tuple[tuple, bool]:
+    """Indices into the global arrays of a shard_map body value's entry ``local`` on the shard at
+    ``manual`` (``{axis: (coordinate, size)}``), by its ``layout``; and whether one axis's layout is
+    unknown (that index stays the shard's own)."""
+    out, unknown = [], False
+    for axes, size, i in zip(layout, sizes, local):
+        if axes is None or any(a not in manual for a in axes):
+            unknown = True
+            out.append(i)
+            continue
+        block = 0
+        for a in axes:
+            block = block * manual[a][1] + manual[a][0]
+        out.append(block * size + i)
+    return tuple(out), unknown
+
+
+def _index_of(items: tuple, item) -> int | None:
+    return items.index(item) if item in items else None
 
 
 def _broken_params(broken: dict, sizes: dict) -> str:

@@ -714,6 +714,277 @@ def shard_map_partial_manual_vjp():
     close(tag_cts["h"], (2 * ct).reshape(4, 4, 4), "h: one block of rows per 'data' shard")
 
 
+# --- find_nonfinite: where a NaN began, and on which shard (issue 52, item 3) ----------------
+# The oracle is the same program on one device, unsharded: the + eps program's values and
+# cotangents at the tags, and the first non-finite entry in the order the program computes them.
+# The shard: a device that holds that entry of the tagged value, as a plain jitted program of the
+# value lays it out (jax.jit), or the shard of the batch rows that hold the example (shard_map).
+
+NAN_STEPS = 3
+
+
+def nan_loss(params, x, xs, t, tv):
+    """A layer, a scan with a per-step input (a NaN there poisons one step and example), and a
+    per-example output tagged under vmap (``tv``); the loss sums each example's norm, whose
+    gradient at an example whose output is 0 is 0/0."""
+    h = t(x @ params["w1"] + params["b1"], "h")
+
+    def layer(c, w_x):
+        w, x_t = w_x
+        return t(jnp.tanh(c @ w + x_t), "layer"), None
+
+    c, _ = lax.scan(layer, h, (params["ws"], xs))
+    out = tv(c @ params["w2"], "out")
+    return jnp.sum(jnp.sqrt(jnp.sum(out**2, axis=1)))
+
+
+def nan_tagged(params, x, xs):
+    return nan_loss(params, x, xs, jt.tag, lambda v, n: jax.vmap(lambda e: jt.tag(e, n))(v))
+
+
+def nan_eps(params, x, xs, eps):
+    """``nan_loss`` with ``+ eps`` where each tag is (the scan's, one slice per step); its values."""
+    values = {}
+
+    def t(v, n, e=None):
+        values.setdefault(n, []).append(v + (eps[n] if e is None else e))
+        return values[n][-1]
+
+    def layer(c, w_x_e):
+        w, x_t, e = w_x_e
+        c = jnp.tanh(c @ w + x_t) + e
+        return c, c
+
+    h = t(x @ params["w1"] + params["b1"], "h")
+    c, steps = lax.scan(layer, h, (params["ws"], xs, eps["layer"]))
+    out = t(c @ params["w2"], "out")
+    loss = jnp.sum(jnp.sqrt(jnp.sum(out**2, axis=1)))
+    return loss, {"h": values["h"][0], "layer": steps, "out": values["out"][0]}
+
+
+def nan_oracle(params, x, xs):
+    """``(first value, first gradient)`` on one device, each ``(name, steps, examples, entry)``:
+    the first tag, loop step and example (in the program's order, the backward pass's for the
+    gradients) with a non-finite entry, and the first entry of its kind there (a NaN if one is)."""
+    b = x.shape[0]
+    eps = {"h": jnp.zeros((b, 4)), "layer": jnp.zeros((NAN_STEPS, b, 4)), "out": jnp.zeros((b, 2))}
+    grad = jax.jit(jax.grad(nan_eps, argnums=3, has_aux=True))
+    g, values = grad(*on_one_device((params, x, xs, eps)))
+    forward = [("h", (), values["h"]), *(("layer", (k,), values["layer"][k]) for k in range(NAN_STEPS)), ("out", (), values["out"])]
+    backward = [("out", (), g["out"]), *(("layer", (k,), g["layer"][k]) for k in reversed(range(NAN_STEPS))), ("h", (), g["h"])]
+
+    def first(entries):
+        for name, steps, a in entries:
+            a = np.asarray(a)
+            per = [((i,), a[i]) for i in range(len(a))] if name == "out" else [((), a)]  # out: one example at a time
+            for examples, part in per:
+                if not np.all(np.isfinite(part)):
+                    kind = np.isnan(part) if np.isnan(part).any() else np.isinf(part)
+                    return name, steps, examples, tuple(int(i) for i in np.argwhere(kind)[0])
+        return None
+
+    return first(forward), first(backward)
+
+
+def nan_inputs(scenario):
+    """(params, x, xs, global row): ``"value"``: a NaN in the scan's input of step 1 at row 11;
+    ``"gradient"``: row 6's output is 0 (its input, the bias and its scan inputs are 0), so only
+    its gradient is a NaN."""
+    rng = np.random.default_rng(1)
+    params = {"w1": rng.normal(size=(3, 4)), "b1": rng.normal(size=(4,)), "ws": rng.normal(size=(NAN_STEPS, 4, 4)) / 2,
+              "w2": rng.normal(size=(4, 2))}
+    x, xs = rng.normal(size=(16, 3)), rng.normal(size=(NAN_STEPS, 16, 4)) / 4
+    if scenario == "value":
+        xs[1, 11, 2] = np.nan
+        return params, x, xs, 11
+    params["b1"][:] = 0.0
+    x[6], xs[:, 6] = 0.0, 0.0
+    return params, x, xs, 6
+
+
+def holders(sharding, shape, index):
+    """``({mesh axis: lowest coordinate}, axes along which several devices hold it)`` of the devices
+    whose block of an array of ``shape`` laid out by ``sharding`` holds entry ``index``."""
+    mesh = sharding.mesh
+    coords = [tuple(int(c) for c in np.argwhere(mesh.devices == d)[0])
+              for d, block in sharding.devices_indices_map(shape).items()
+              if all(s.indices(n)[0] <= i < s.indices(n)[1] for s, i, n in zip(block, index, shape))]
+    seen = [{c[a] for c in coords} for a in range(len(mesh.axis_names))]
+    return {n: min(v) for n, v in zip(mesh.axis_names, seen)}, tuple(n for n, v in zip(mesh.axis_names, seen) if len(v) > 1)
+
+
+def check_report_at(at, want, what):
+    assert at is not None and want is not None, f"{what}: report {at}, oracle {want}"
+    name, steps, examples, entry = want
+    got = (at.name, at.steps, at.examples, at.entry)
+    assert got == (name, steps, examples, entry), f"{what}: report {got}, oracle {want}"
+
+
+@check
+def find_nonfinite_shard_jit():
+    """jt.find_nonfinite under a sharded jax.jit, data parallel (the batch over all 8 devices),
+    FSDP (parameters and batch over 'data') and 4x2 tensor parallel: the tag, loop step, global
+    example and entry against the one-device oracle; the shard against the layout of the plain
+    jitted value (and, data parallel, against the batch's rows: 2 per device)."""
+    mesh = mesh2d()
+    layouts = {
+        "data parallel": ({"w1": P(), "b1": P(), "ws": P(), "w2": P()}, P(("data", "model"))),
+        "fsdp": ({"w1": P(None, "data"), "b1": P("data"), "ws": P(None, "data"), "w2": P("data")}, P("data")),
+        "tensor parallel 4x2": ({"w1": P(None, "model"), "b1": P("model"), "ws": P(None, None, "model"), "w2": P("model")}, P("data")),
+    }
+
+    def plain(params, x, xs):  # the tagged values, as a plain program computes them
+        h = x @ params["w1"] + params["b1"]
+        c, steps = lax.scan(lambda c, w_x: (jnp.tanh(c @ w_x[0] + w_x[1]),) * 2, h, (params["ws"], xs))
+        return {"h": h, "layer": steps, "out": c @ params["w2"]}
+
+    # One jitted function for every layout: one trace, compiled once per layout, each executable
+    # reading the shardings its own compilation chose.
+    jitted = jax.jit(jt.find_nonfinite(nan_tagged))
+    for scenario in ("value", "gradient"):
+        params_np, x_np, xs_np, row = nan_inputs(scenario)
+        want_value, want_gradient = nan_oracle(params_np, x_np, xs_np)
+        for layout, (param_specs, batch) in layouts.items():
+            params = put(params_np, mesh, param_specs)
+            x, xs = put((x_np, xs_np), mesh, (batch, P(None, *batch)))
+            shardings = {n: v.sharding for n, v in jax.jit(plain)(params, x, xs).items()}
+            shapes = {"h": (16, 4), "layer": (NAN_STEPS, 16, 4), "out": (16, 2)}
+            runs = (("jit", jitted), ("eager", jt.find_nonfinite(nan_tagged))) if scenario == "value" else (("jit", jitted),)
+            for wrap_name, run in runs:  # eager (op by op) is slow: once per layout
+                report = run(params, x, xs)
+                what = f"{layout}, {scenario}, {wrap_name}"
+                for at, want, side in ((report.first_value, want_value, "value"), (report.first_gradient, want_gradient, "gradient")):
+                    if want is None:
+                        assert at is None, f"{what}: first {side} {at}, the oracle's is finite"
+                        continue
+                    check_report_at(at, want, f"{what}: first {side}")
+                    index = (*at.steps, *at.examples, *at.entry)
+                    shard, replicated = holders(shardings[at.name], shapes[at.name], index)
+                    assert (at.shard, at.replicated) == (shard, replicated), f"{what}: first {side} on {at.shard} {at.replicated}, the plain value's {shard} {replicated}"
+                    assert f"data={shard['data']}" in str(report), f"{what}: {report}"
+                    if layout == "data parallel":  # the batch's rows, 2 per device, (data, model) major first
+                        assert at.shard == {"data": row // 2 // 2, "model": row // 2 % 2}, f"{what}: {at.shard}, row {row}"
+
+
+@check
+def find_nonfinite_shard_map():
+    """jt.find_nonfinite of a loss written per shard with jax.shard_map (the batch over both mesh
+    axes, a scan and a vmapped tag in the body): the example and entry are the global ones (from the
+    shard's coordinates and the batch's in_spec), the shard is the one that holds those rows, and
+    the loop step is a step (the shards are not steps), against the one-device oracle of the same
+    program unsharded."""
+    mesh = mesh2d()
+    batch = P(("data", "model"))
+
+    def loss(params, x, xs):
+        body = lambda p, x, xs: lax.psum(nan_tagged(p, x, xs), ("data", "model"))  # noqa: E731
+        return smap(body, mesh, (P(), batch, P(None, *batch)), P(), True)(params, x, xs)
+
+    jitted = jax.jit(jt.find_nonfinite(loss))
+    for scenario in ("value", "gradient"):
+        params_np, x_np, xs_np, row = nan_inputs(scenario)
+        want_value, want_gradient = nan_oracle(params_np, x_np, xs_np)
+        x, xs = put((x_np, xs_np), mesh, (batch, P(None, *batch)))
+        runs = (("jit", jitted), ("eager", jt.find_nonfinite(loss))) if scenario == "value" else (("jit", jitted),)
+        for wrap_name, run in runs:  # eager (op by op) is slow: once
+            report = run(params_np, x, xs)
+            what = f"shard_map, {scenario}, {wrap_name}"
+            for at, want, side in ((report.first_value, want_value, "value"), (report.first_gradient, want_gradient, "gradient")):
+                if want is None:
+                    assert at is None, f"{what}: first {side} {at}, the oracle's is finite"
+                    continue
+                check_report_at(at, want, f"{what}: first {side}")
+                shard = {"data": row // 2 // 2, "model": row // 2 % 2}  # 2 rows per shard
+                assert (at.shard, at.replicated, at.local) == (shard, (), False), f"{what}: {at}"
+                assert f"on the shard data={shard['data']}, model={shard['model']})" in str(report), f"{what}: {report}"
+                assert at.loop_kinds == (("scan step",) if at.name == "layer" else ()), f"{what}: {at}"
+            if want_value is not None:  # the step before, on every shard, is finite: the neighbour is a step, not a shard
+                assert "finite up to 'layer' (scan step 0) and not at 'layer'" in str(report), f"{what}: {report}"
+
+
+@check
+def find_nonfinite_replicated_and_unknown():
+    """A NaN in a replicated parameter: under jit the report says every device holds it (as the
+    plain jitted value is laid out); inside shard_map with check_vma the value is one value, the
+    same on every shard (replicated), and without check_vma each shard's copy is its own (the
+    lowest shard is named). A tag whose rows jaxtrace cannot follow across the shards (a cumsum
+    along the split axis) keeps the shard's own indices, and says so."""
+    mesh = mesh2d()
+    batch = P(("data", "model"))
+    w_np, x_np = np.asarray(PARAMS["w1"]).copy(), np.asarray(X).copy()
+    w_np[1, 2] = np.nan
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ jt.tag(w * 2.0, "w")))
+
+    w, x = put((w_np, x_np), mesh, (P(), batch))
+    plain = jax.jit(lambda w: w * 2.0)(w).sharding
+    for wrap in (jax.jit, lambda f: f):
+        at = wrap(jt.find_nonfinite(loss))(w, x).first_value
+        assert (at.name, at.entry) == ("w", (1, 2)), at
+        assert (at.shard, at.replicated) == holders(plain, (3, 4), (1, 2)), f"jit: {at}, the plain value on {holders(plain, (3, 4), (1, 2))}"
+    report = jax.jit(jt.find_nonfinite(loss))(w, x)
+    assert report.first_value.replicated == ("data", "model") and "on every device: it is replicated" in str(report), report
+
+    def body(w, x):
+        return lax.psum(loss(w, x), ("data", "model"))
+
+    for check_vma, replicated in ((True, ("data", "model")), (False, ())):
+        report = jax.jit(jt.find_nonfinite(lambda w, x: smap(body, mesh, (P(), batch), P(), check_vma)(w, x)))(w_np, x)
+        at = report.first_value
+        assert (at.name, at.entry, at.shard, at.replicated) == ("w", (1, 2), {"data": 0, "model": 0}, replicated), f"check_vma={check_vma}: {at}"
+
+    x_np[11, 1] = np.nan  # row 11: row 1 of the shard data=2, model=1
+
+    def mixed(w, x):
+        return lax.psum(jnp.sum(jt.tag(jnp.cumsum(x, axis=0), "running") ** 2) + jnp.sum(jt.tag(x * 2.0, "rows") ** 2), ("data", "model"))
+
+    sharded_mixed = lambda w, x: smap(mixed, mesh, (P(), batch), P(), True)(w, x)  # noqa: E731
+    report = jax.jit(jt.find_nonfinite(sharded_mixed))(w_np, put(x_np, mesh, batch))
+    at = report.first_value
+    assert (at.name, at.entry, at.shard, at.local) == ("running", (1, 1), {"data": 2, "model": 1}, True), at
+    assert "that shard's own" in str(report), report
+    rows = jax.jit(jt.find_nonfinite(sharded_mixed, tags="rows"))(w_np, put(x_np, mesh, batch)).first_value
+    assert (rows.entry, rows.shard, rows.local) == ((11, 1), {"data": 2, "model": 1}, False), rows
+
+
+@check
+def find_nonfinite_collectives():
+    """What the report adds to the compiled step, against jt.value_and_grad(with_values=True) of
+    the same loss (float32; data parallel, FSDP, 4x2 tensor parallel, shard_map): only all-reduces
+    of the report's own int32 scalars (per tag a code and an entry for the values and the
+    gradients, per parameter a flag and a count), never a value moved. The sharding probe leaves
+    nothing in the compiled program, and there is no conditional."""
+    mesh = mesh2d()
+    f32 = lambda tree: jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), tree)  # noqa: E731
+    params_np, x_np, xs_np, _ = f32(nan_inputs("value"))
+    batch = P(("data", "model"))
+
+    def per_shard(params, x, xs):
+        body = lambda p, x, xs: lax.psum(nan_tagged(p, x, xs), ("data", "model"))  # noqa: E731
+        return smap(body, mesh, (P(), batch, P(None, *batch)), P(), True)(params, x, xs)
+
+    replicated = {"w1": P(), "b1": P(), "ws": P(), "w2": P()}
+    layouts = {
+        "data parallel": (nan_tagged, replicated, batch),
+        "fsdp": (nan_tagged, {"w1": P(None, "data"), "b1": P("data"), "ws": P(None, "data"), "w2": P("data")}, P("data")),
+        "tensor parallel 4x2": (nan_tagged, {"w1": P(None, "model"), "b1": P("model"), "ws": P(None, None, "model"), "w2": P("model")}, P("data")),
+        "shard_map": (per_shard, replicated, batch),
+    }
+    most = 2 * (3 + len(params_np))  # 3 tags, 4 parameters: the scalars of one all-reduce round
+    for layout, (loss, param_specs, batch_spec) in layouts.items():
+        params = put(params_np, mesh, param_specs)
+        x, xs = put((x_np, xs_np), mesh, (batch_spec, P(None, *batch_spec)))
+        plain_text = jax.jit(jt.value_and_grad(loss, with_values=True)).lower(params, x, xs).compile().as_text()
+        text = jax.jit(jt.find_nonfinite(loss)).lower(params, x, xs).compile().as_text()
+        added = collectives(text)
+        for op in collectives(plain_text):
+            if op in added:
+                added.remove(op)
+        assert all(kind == "all-reduce" and n <= most for kind, n in added) and len(added) <= 6, f"{layout}: {added} beyond the plain step's"
+        assert "InspectSharding" not in text and " conditional(" not in text, f"{layout}: the probe or a conditional is in the compiled program"
+
+
 def main(names):
     results = {}
     for name in names or CHECKS:

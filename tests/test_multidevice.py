@@ -30,6 +30,10 @@ CHECKS = [
     "shard_map_partial_manual_vjp",
     "stats_one_all_reduce_round",
     "per_example_fsdp_collectives",
+    "find_nonfinite_shard_jit",
+    "find_nonfinite_shard_map",
+    "find_nonfinite_replicated_and_unknown",
+    "find_nonfinite_collectives",
 ]
 
 

@@ -15,9 +15,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 import pytest
 
 import jaxtrace as jt
+from jaxtrace import _nonfinite_report
 
 HERE = os.path.basename(__file__)
 
@@ -308,6 +310,38 @@ class Sqrt(eqx.Module):
 
 
 @pytest.mark.long_eager  # the jit variant always runs; eager (op by op) with --long
+@pytest.mark.parametrize("minor", [2**30, 8, 1])  # how many entries one key indexes: all, rows apart, every axis apart
+@pytest.mark.parametrize("case", ["nan after an inf", "inf only", "nan in the second leaf"])
+def test_the_entry_inside_the_value(case, minor, monkeypatch):
+    """``entry`` and ``leaf``: where inside the tagged value the first non-finite entry is, at the
+    reported step and example: a NaN if that example has one (even after an inf), in the first leaf
+    of the tagged pytree that has one, row-major; the same when the device indexes the leading axes
+    apart (values of 2**30 entries or more; here made small)."""
+    monkeypatch.setattr(_nonfinite_report, "_MINOR", minor)
+
+    def f(x, y):
+        def one(xe, ye):
+            def step(c, k):
+                pair = jt.tag((xe * (k + 1.0), ye - k), "pair")
+                return c + jnp.sum(pair[0]) + jnp.sum(pair[1]), None
+
+            return lax.scan(step, 0.0, jnp.arange(3.0))[0]
+
+        return jnp.sum(jax.vmap(one)(x, y))
+
+    x, y = np.ones((2, 3, 5)), np.ones((2, 3, 5))
+    x[1, 0, 1] = np.inf  # example 1, from scan step 0 on
+    if case == "nan after an inf":
+        x[1, 2, 3] = np.nan
+    if case == "nan in the second leaf":
+        y[1, 1, 0] = np.nan
+    want = {"nan after an inf": ("NaN", 0, (2, 3)), "inf only": ("inf", 0, (0, 1)), "nan in the second leaf": ("NaN", 1, (1, 0))}
+    at = jax.jit(jt.find_nonfinite(f))(x, y).first_value
+    assert (at.name, at.steps, at.examples) == ("pair", (0,), (1,)), at
+    assert (at.kind, at.leaf, at.entry) == want[case], at
+    assert at.shard is None and at.replicated == () and not at.local  # one device
+
+
 def test_equinox_model_tagged_with_tag_modules(maybe_jit, dtype):
     key = jax.random.key(0)
     model = eqx.nn.Sequential(

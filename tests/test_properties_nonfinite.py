@@ -186,12 +186,15 @@ def entries(program, steps=()):
 
 
 def first_nonfinite(order, doc, contexts):
-    """``(name, steps, examples, kind)`` of the first entry in ``order`` with a non-finite value in
-    ``doc`` (the documented layout), its first example (row-major) with one; None if all are finite."""
+    """``(name, steps, examples, kind, leaf, entry)`` of the first entry in ``order`` with a
+    non-finite value in ``doc`` (the documented layout), its first example (row-major) with one,
+    and there the first leaf with an entry of that kind and that entry (row-major, inside the
+    value); None if all are finite."""
     for name, steps in order:
         vmaps = sum(kind == "vmap" for kind, _ in contexts[name][0])
         nan = inf = None
-        for leaf in jax.tree_util.tree_leaves(doc[name]):
+        leaves = jax.tree_util.tree_leaves(doc[name])
+        for leaf in leaves:
             entry = np.asarray(np.asarray(leaf)[steps], np.float64)
             entry = entry.reshape(*entry.shape[:vmaps], -1)
             n, i = np.isnan(entry).any(-1), np.isinf(entry).any(-1)
@@ -199,7 +202,12 @@ def first_nonfinite(order, doc, contexts):
         bad = nan | inf
         if np.any(bad):
             example = tuple(int(e) for e in np.argwhere(bad)[0]) if vmaps else ()
-            return name, steps, example, "NaN" if np.asarray(nan)[example] else "inf"
+            kind = "NaN" if np.asarray(nan)[example] else "inf"
+            for index, leaf in enumerate(leaves):
+                part = np.asarray(np.asarray(leaf)[steps][example], np.float64)
+                hit = np.isnan(part) if kind == "NaN" else np.isinf(part)
+                if hit.any():
+                    return name, steps, example, kind, index, tuple(int(i) for i in np.argwhere(hit)[0])
     return None
 
 
@@ -216,7 +224,7 @@ def tag_contexts(program, params, x) -> dict:
 
 
 def reported(at):
-    return None if at is None else (at.name, at.steps, at.examples, at.kind)
+    return None if at is None else (at.name, at.steps, at.examples, at.kind, at.leaf, at.entry)
 
 
 # --- the property -----------------------------------------------------------------------------

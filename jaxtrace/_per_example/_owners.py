@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .. import _compat
+from .._elementwise import ELEMENTWISE
 
 __all__ = ["Axis", "ELEMENTWISE", "Every", "MULTI", "OWNERS", "SHAPE_ONLY", "Step", "axis_of", "elementwise", "inexact", "register", "shape_of", "unit"]
 
@@ -89,16 +90,6 @@ def register(*names):
     return deco
 
 
-ELEMENTWISE = {
-    "add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "and", "or", "xor", "not",
-    "eq", "ne", "lt", "le", "gt", "ge", "neg", "exp", "exp2", "log", "log1p", "expm1", "tanh",
-    "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
-    "atanh", "sqrt", "rsqrt", "cbrt", "abs", "sign", "floor", "ceil", "round", "is_finite",
-    "select_n", "clamp", "convert_element_type", "integer_pow", "square", "erf", "erfc", "erf_inv",
-    "lgamma", "digamma", "reduce_precision", "nextafter", "copy", "copy_p", "stop_gradient", "real",
-    "imag", "conj", "complex", "add_any", "shift_left", "shift_right_logical",
-    "shift_right_arithmetic", "population_count", "optimization_barrier", "jaxtrace_tag",
-}
 SHAPE_ONLY = {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy"}
 
 
