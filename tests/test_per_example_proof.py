@@ -416,11 +416,45 @@ def test_freezing_one_parameter_of_a_layer_with_eqx_partition_stays_on_factors(j
     check(lambda p, s, x, y: mse(eqx.combine(p, s), x, y), params, static, X, Y, jit=jit)
 
 
-def test_freezing_with_eqx_partition_in_a_closure_says_what_to_do():
+@pytest.mark.parametrize("jit", [False, True])
+def test_freezing_by_closing_over_the_static_half_of_eqx_partition(jit):
+    """Issue 51.6: `lambda trainable, x, y: mse(eqx.combine(trainable, frozen), x, y)`, the common
+    equinox pattern, with `frozen` in a closure (either order of `eqx.combine`'s halves): the
+    definition's numbers. The untagged model is traced, so each leaf is on factors where a read rule
+    covers its use (the MLP's matrix products and biases, `fallback="error"`); the GPT's position
+    table, read as `pos(arange(T))`, takes the exact path, and `fallback="error"` names it."""
     params, static = eqx.partition(MLP, frozen_spec(MLP, lambda m: m.layers[0]))
-    for combine in (lambda p: eqx.combine(p, static), lambda p: eqx.combine(static, p)):
-        with pytest.raises(ValueError, match="pass `static` to `fun` as an argument"):
-            jt.per_example_norms(lambda p, x, y: mse(combine(p), x, y))(params, X, Y)
+    check(lambda p, x, y: mse(eqx.combine(p, static), x, y), params, X, Y, jit=jit)
+    check(lambda p, x, y: mse(eqx.combine(static, p), x, y), params, X, Y, jit=jit)
+    gpt = GPT(KEYS[0])
+    params, static = eqx.partition(gpt, frozen_spec(gpt, lambda m: m.tok))
+    closed = lambda p, ids: lm_losses(eqx.combine(p, static), ids)  # noqa: E731
+    check(closed, params, IDS, jit=jit, on_factors=False)
+    with pytest.raises(jt.TagError, match="'pos.weight'"):
+        jt.per_example_norms(closed, fallback="error")(params, IDS)
+    check(lambda p, s, ids: lm_losses(eqx.combine(p, s), ids), params, static, IDS, jit=jit)  # as an argument: all on factors
+
+
+def test_freezing_by_closure_on_a_model_with_no_rule_for_its_reads_names_the_leaf():
+    """Where the closed-over half leaves a leaf on no factor path, `fallback="error"` names it and
+    `fallback="vmap"` gives the definition's numbers."""
+
+    class Scaled(eqx.Module):
+        lin: eqx.nn.Linear
+        gain: jax.Array
+
+        def __call__(self, x):
+            return jnp.tanh(self.lin(x)) * jnp.exp(self.gain)
+
+    model = Scaled(eqx.nn.Linear(3, 2, key=KEYS[1]), jnp.array([0.3, -0.2]))
+    params, static = eqx.partition(model, frozen_spec(model, lambda m: m.lin.bias))
+
+    def losses(p, x, y):
+        return jnp.sum((jax.vmap(eqx.combine(p, static))(x) - y) ** 2, axis=-1)
+
+    check(losses, params, X, Y, jit=False, on_factors=False)
+    with pytest.raises(jt.TagError, match="'gain'"):
+        jt.per_example_norms(losses, fallback="error")(params, X, Y)
 
 
 # --- examples that interact through a second call of the model ---------------------

@@ -15,6 +15,7 @@ basis vector, or a ``TagError`` naming it under ``fallback="error"``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -75,33 +76,17 @@ class Call:
         self.fun, self.argnums, self.fallback, self.has_aux, self.kwargs = fun, argnums, fallback, has_aux, kwargs
         self.args = list(args)
         self.plan = plan = plan_for(args[argnums])
-        paths = {layer.path for layer in plan.layers}
-        self.tagged_args, self.tagged_kwargs = _partition_twins(
-            args[argnums], lambda: plan.run_model(plan.leaves), self.args, kwargs, argnums
-        )
-        # NNX objects among the other arguments (an nnx.Rngs that dropout draws from) enter each trace
-        # as merged copies and their changed state is written back, as nnx.grad does (``_stateful``).
-        self._lift = lift(fun, self.tagged_args, self.tagged_kwargs, skip=(argnums,))
-        twins = self.tagged_args is self.args and self.tagged_kwargs is kwargs
-        self._plain_lift = self._lift if twins else lift(fun, self.args, kwargs, skip=(argnums,))
-
-        def flat(leaves):
-            out, self._out_tree = jax.tree_util.tree_flatten(self._traced(leaves))
-            return out
-
         try:
-            self.jaxpr, self.consts = _compat.jaxpr_and_consts(jax.make_jaxpr(flat)(list(plan.leaves)))
+            self._trace(plan)
         except (ValueError, TypeError) as e:
             if "jaxtrace._equinox" not in str(e) and "Custom node type mismatch" not in str(e):
                 raise
-            raise ValueError(
-                "jaxtrace.per_example_norms and jaxtrace.clipped_grad tag the model they are given (argument "
-                f"{argnums} of `fun`) with subclasses of its layers' classes, and `fun` combined it with a pytree "
-                f"of another structure, such as the untagged classes: {e}\nIf `fun` rebuilds the model with "
-                "`eqx.combine(params, static)` "
-                "after `eqx.partition`, pass `static` to `fun` as an argument (`fun(params, static, x, y)`), not "
-                "in a closure: jaxtrace then tags both halves alike."
-            ) from e
+            # ``fun`` combines the model with a pytree of the untagged classes that it closes over (the
+            # static half of an ``eqx.partition``): trace the untagged model. Its layers carry no tags,
+            # so each leaf's uses are found as reads (``_reads``) or whole, and proven as such.
+            self.plan = plan = dataclasses.replace(plan, layers=[], run_model=plan.plain_model)
+            self._trace(plan)
+        paths = {layer.path for layer in plan.layers}
         losses_aval = self.jaxpr.outvars[0].aval
         if len(losses_aval.shape) != 1:
             raise ValueError(
@@ -175,6 +160,25 @@ class Call:
                 lambda leaves: _losses_first(run(leaves), has_aux), plan.leaves, with_values=True, has_aux=True,
                 tags=lambda n: n in names,
             )
+
+    def _trace(self, plan) -> None:
+        """Trace ``fun`` on ``plan``'s model: the program (``jaxpr``, ``consts``), its output tree, and
+        the arguments each trace sees (the other half of an ``eqx.partition`` made tagged alike)."""
+        args, kwargs, argnums = self.args, self.kwargs, self.argnums
+        self.tagged_args, self.tagged_kwargs = _partition_twins(
+            args[argnums], lambda: plan.run_model(plan.leaves), args, kwargs, argnums
+        )
+        # NNX objects among the other arguments (an nnx.Rngs that dropout draws from) enter each trace
+        # as merged copies and their changed state is written back, as nnx.grad does (``_stateful``).
+        self._lift = lift(self.fun, self.tagged_args, self.tagged_kwargs, skip=(argnums,))
+        twins = self.tagged_args is args and self.tagged_kwargs is kwargs
+        self._plain_lift = self._lift if twins else lift(self.fun, args, kwargs, skip=(argnums,))
+
+        def flat(leaves):
+            out, self._out_tree = jax.tree_util.tree_flatten(self._traced(leaves))
+            return out
+
+        self.jaxpr, self.consts = _compat.jaxpr_and_consts(jax.make_jaxpr(flat)(list(plan.leaves)))
 
     @functools.cached_property
     def _sites(self) -> dict:
