@@ -6,7 +6,7 @@
 CPU seconds (single-threaded tracing), medians of interleaved rounds, beside plain, hand ``+ eps``
 and the recipe: the first ``make_jaxpr`` (the user's function traced once to find the tags), the
 site bookkeeping (``Program``: sites, ``stack_calls``; ``select``), the re-evaluation
-(``Splitter``: each equation bound again, which includes JAX's own linearization of it), the rest
+(``ProgramEvaluator``: each equation bound again, which includes JAX's own linearization of it), the rest
 of the trace (JAX's transpose, the tag tree) and the lowering to StableHLO. ``--profile`` adds a
 cProfile of one jaxtrace build, sorted by own time, and the share of it spent in jaxtrace's files.
 """
@@ -33,7 +33,7 @@ import drivers as D  # noqa: E402
 import jaxtrace._split as _split  # noqa: E402
 import models as M  # noqa: E402
 
-PHASES = ("make_jaxpr", "sites (Program, select)", "Splitter (re-evaluation)")
+PHASES = ("make_jaxpr", "sites (Program, select)", "ProgramEvaluator (re-evaluation)")
 
 
 def instrument(acc: dict) -> None:
@@ -58,7 +58,7 @@ def instrument(acc: dict) -> None:
     _split.jax = _Proxy(jax, make_jaxpr=make_jaxpr_timed)
     _split.Program = timed(_split.Program, PHASES[1])
     _split.select = timed(_split.select, PHASES[1])
-    _split.Splitter.__call__ = timed(_split.Splitter.__call__, PHASES[2])
+    _split.ProgramEvaluator.__call__ = timed(_split.ProgramEvaluator.__call__, PHASES[2])
 
 
 class _Proxy:

@@ -1,10 +1,10 @@
-"""Splitter: a ``Program`` evaluated again, equation by equation, with the selected tags opened.
+"""ProgramEvaluator: a ``Program`` evaluated again, equation by equation, with the selected tags opened.
 
 It evaluates the jaxpr as ``jax.core.eval_jaxpr`` does, except at selected tags: there a
-``SiteFunction`` gives the new value (``x -> perturb(x, eps)`` for gradients, ``x ->
+``AtSites`` gives the new value (``x -> perturb(x, eps)`` for gradients, ``x ->
 replacement`` for patching, ...), the tag stays in place on it, and the value can be handed
 out. Equations that hold no selected tag are bound unchanged (runs of them through
-``_splice``); higher-order ones that hold one are rebuilt by their rule (``_split_rules``).
+``_fused_runs``); higher-order ones that hold one are rebuilt by their rule (``_higher_order_rules``).
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ from . import _compat, _higher_order
 from ._errors import TagError
 from ._program import Level, Program
 from ._sites import Site
-from ._splice import Run, bind_equation, runs
-from ._split_rules import NO_SITES, RULES
+from ._fused_runs import Run, bind_equation, runs
+from ._higher_order_rules import NO_SITES, RULES
 from ._tag import is_tag, site_value, tag_p
 
-__all__ = ["SiteFn", "SiteFunction", "Splitter", "marked_copy", "per_leaf", "whole_call"]
+__all__ = ["LeafFn", "AtSites", "ProgramEvaluator", "marked_copy", "per_leaf", "whole_call"]
 
-SiteFn = Callable[[Site, Any, Any], Any]  # (site, value at the tag, input or None) -> new value
+LeafFn = Callable[[Site, Any, Any], Any]  # (site, value at the tag, input or None) -> new value
 
 
 @dataclasses.dataclass(frozen=True)
-class SiteFunction:
+class AtSites:
     """What a split does at its selected tags: new values for the leaves of one ``jt.tag`` call.
 
     ``apply(sites, operands, inputs)`` gets each leaf's site, its operands (the value, then a
@@ -48,26 +48,26 @@ class SiteFunction:
         return eqn.invars[:1] if self.whole_calls else eqn.invars
 
 
-def per_leaf(site_fn: SiteFn) -> SiteFunction:
+def per_leaf(site_fn: LeafFn) -> AtSites:
     """``site_fn(site, value, input)`` leaf by leaf, the input masked to where a vmapped cond's
     branch holding the tag was taken."""
 
     def apply(sites, operands, inputs):
         return [site_fn(site, ops[0], _masked_input(ops, value)) for site, ops, value in zip(sites, operands, inputs)]
 
-    return SiteFunction(apply)
+    return AtSites(apply)
 
 
-def whole_call(call_fn: Callable[[list, list], list]) -> SiteFunction:
+def whole_call(call_fn: Callable[[list, list], list]) -> AtSites:
     """``call_fn(sites, values)`` on every leaf of a ``jt.tag`` call at once."""
-    return SiteFunction(lambda sites, operands, inputs: call_fn(sites, [ops[0] for ops in operands]), whole_calls=True)
+    return AtSites(lambda sites, operands, inputs: call_fn(sites, [ops[0] for ops in operands]), whole_calls=True)
 
 
-class Splitter:
+class ProgramEvaluator:
     """Evaluates a ``Program`` with the selected sites split open."""
 
     def __init__(
-        self, program: Program, sites: Sequence[Site], at_sites: SiteFunction, outputs: Sequence = (), retag=None
+        self, program: Program, sites: Sequence[Site], at_sites: AtSites, outputs: Sequence = (), retag=None
     ):
         self.program = program
         self.sites = {site.key: site for site in sites}
@@ -77,7 +77,7 @@ class Splitter:
         self.in_remat = False  # evaluating a jax.checkpoint body: the tags left in place are copies
         self._run_cache: dict = {}  # id(jaxpr) -> (jaxpr, {start: Run})
 
-    def in_checkpoint(self) -> "Splitter":
+    def in_checkpoint(self) -> "ProgramEvaluator":
         """This splitter for a ``jax.checkpoint`` body: the tags it leaves in place there are marked
         (``marked_copy``), so that copies JAX makes of them are known as copies."""
         if self.in_remat:
@@ -153,7 +153,7 @@ class Splitter:
         return outvals
 
     def _runs(self, jaxpr, level: Level) -> dict:
-        """``{start: Run}`` for ``jaxpr`` (``_splice.runs``), built once per jaxpr."""
+        """``{start: Run}`` for ``jaxpr`` (``_fused_runs.runs``), built once per jaxpr."""
         found = self._run_cache.get(id(jaxpr))
         if found is None or found[0] is not jaxpr:
             selected = lambda eqn, inside: is_tag(eqn) or bool(inside) and any(k in self.sites for k in inside)  # noqa: E731

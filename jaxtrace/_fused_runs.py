@@ -1,6 +1,6 @@
 """The build-time fast path: equations bound again so that ``jax.vjp`` linearizes them cheaply.
 
-Under ``jax.vjp`` every equation the ``Splitter`` binds is linearized one by one, which is
+Under ``jax.vjp`` every equation the ``ProgramEvaluator`` binds is linearized one by one, which is
 most of jaxtrace's trace time. A run of two or more first-order equations that hold no
 selected tag (and are no tag) is bound instead as one ``jax.jit`` function, inlined early
 and cached on the run's structure (``run_function``), so the repeated layers of a network

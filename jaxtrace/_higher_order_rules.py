@@ -18,7 +18,7 @@ from jax import lax
 
 from . import _compat, _equation_params, _higher_order
 from ._sites import Slot, with_refusal
-from ._splice import bind_equation
+from ._fused_runs import bind_equation
 from ._stacking import merge_branches
 
 __all__ = [
@@ -42,7 +42,7 @@ class Rule:
     """How to find the sites inside one kind of equation, and how to split it.
 
     ``sites`` reads the bodies' sites from ``program.level(body)`` (a ``_program.Program``);
-    ``evaluate`` evaluates them with ``splitter.eval_jaxpr`` (a ``_splitter.Splitter``), given
+    ``evaluate`` evaluates them with ``splitter.eval_jaxpr`` (a ``_evaluator.ProgramEvaluator``), given
     the equation's operands, the site inputs for its sites, and ``active``, its selected sites.
     """
 

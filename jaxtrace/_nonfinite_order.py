@@ -7,7 +7,7 @@ is the site's next stack axis (``reverse``: the scan runs from its last index do
 ``lax.scan(..., reverse=True)``); ("calls", ((start, stop, span, t), ...)) repeated calls stacked
 on the next stack axis, each call range at its own place; ("shards", i, t, axes) inside the i-th
 equation, a ``jax.shard_map`` manual over the mesh ``axes``, whose coordinates are the next stack
-axes (one per manual axis, as ``_split_rules.ShardMap`` lays them out). ``entry_order`` turns a
+axes (one per manual axis, as ``_higher_order_rules.ShardMap`` lays them out). ``entry_order`` turns a
 template and the loop steps of one entry into a tuple that sorts entries in the order the program
 computes them; ``StepOrder`` numbers one site's entries in that order (a stacked result is by index:
 index ``i`` of a scan is the step that reads ``xs[i]``, which a reversed scan computes ``i``-th from

@@ -1,7 +1,7 @@
 """Program: a traced jaxpr and every tag site in it, found once per jaxpr level.
 
 ``Program`` walks a traced jaxpr once and records every site (``_sites.Site``): a tag
-equation is a site; a higher-order equation holds the sites its rule (``_split_rules``)
+equation is a site; a higher-order equation holds the sites its rule (``_higher_order_rules``)
 finds in its bodies; one that has no rule and holds a tag makes that tag unsplittable.
 The occurrences of one name in one level are stacked into one site (``_stacking``).
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from . import _compat, _higher_order
 from ._sites import Site
-from ._split_rules import NO_SITES, RULES, Unsupported
+from ._higher_order_rules import NO_SITES, RULES, Unsupported
 from ._stacking import stack_calls
 from ._tag import is_tag, open_scopes, visible
 

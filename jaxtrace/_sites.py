@@ -43,7 +43,7 @@ class Site:
     differentiated: bool = False  # JAX took a derivative through it inside the traced function
     choice: tuple | None = None  # ((cond, branch), ...): the vmapped conds around it, outermost first
     remat: bool = False  # found inside a jax.checkpoint body (where JAX makes copies)
-    copies: frozenset = frozenset()  # marks of the checkpoint bodies a split left it in (``_splitter.marked_copy``)
+    copies: frozenset = frozenset()  # marks of the checkpoint bodies a split left it in (``_evaluator.marked_copy``)
 
     @property
     def key(self) -> Key:

@@ -1,7 +1,7 @@
 """The split: trace a function once, find its tags, and re-run it with the selected tags opened.
 
 ``Split`` traces ``fun`` to a jaxpr (``Program``: its sites), selects the sites that ``tags=``
-asks for (``_selection``), and on each call evaluates the program again with a ``Splitter``,
+asks for (``_selection``), and on each call evaluates the program again with a ``ProgramEvaluator``,
 applying a site function at each selected tag and handing out the values at the output sites,
 laid out as documented (``_sites.assemble``).
 """
@@ -19,7 +19,7 @@ from ._leaves import check_array_leaves
 from ._program import Program
 from ._selection import report_evaluated, select
 from ._sites import Site, assemble
-from ._splitter import Splitter, per_leaf, whole_call
+from ._evaluator import ProgramEvaluator, per_leaf, whole_call
 from ._stateful import lift
 from ._tag import evaluated_tags
 
@@ -139,7 +139,7 @@ class Split:
         at once."""
         leaves = [leaf for leaf, m in zip(jax.tree_util.tree_leaves(args), self._mask) if m]
         at_sites = whole_call(call_fn) if call_fn is not None else per_leaf(site_fn)
-        outs, site_outputs = Splitter(self.program, self.sites, at_sites, outputs)(leaves, inputs)
+        outs, site_outputs = ProgramEvaluator(self.program, self.sites, at_sites, outputs)(leaves, inputs)
         it = iter(map(_as_array, outs))
         site_outputs = {k: _as_array(v) for k, v in site_outputs.items()}
         out_leaves = [self._static[i] if i in self._static else next(it) for i in range(self.out_tree.num_leaves)]

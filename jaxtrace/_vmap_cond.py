@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from . import _compat, _higher_order
 from ._program import Program
 from ._split import keep
-from ._splitter import Splitter, per_leaf
+from ._evaluator import ProgramEvaluator, per_leaf
 from ._tag import is_tag, tag_p
 
 __all__: list[str] = []  # nothing to import: importing it teaches jax.vmap of lax.cond to mask tags
@@ -63,7 +63,7 @@ def _mask_branch(branch, i: int, cond: int, index_aval):
             choice = (*(eqn.params.get("choice") or ()), (cond, i))
             return tag_p.bind(new, mask, **{**eqn.params, "choice": choice})
 
-        outs, _ = Splitter(program, list(program.sites.values()), per_leaf(keep), retag=retag)(ops, {})
+        outs, _ = ProgramEvaluator(program, list(program.sites.values()), per_leaf(keep), retag=retag)(ops, {})
         return outs
 
     return jax.make_jaxpr(masked)(*avals, index_aval)

@@ -13,7 +13,7 @@ from conftest import assert_trees_close
 from jax import lax
 
 import jaxtrace as jt
-from jaxtrace import _splice
+from jaxtrace import _fused_runs
 
 XS = jnp.arange(12.0).reshape(4, 3) / 7 - 0.5
 
@@ -162,7 +162,7 @@ X = jnp.arange(3.0) - 0.5
 
 @pytest.mark.parametrize("c", [2.0, 3.0])
 def test_runs_with_literal_constants_are_spliced_and_cached(c):
-    _splice.run_function.cache_clear()
+    _fused_runs.run_function.cache_clear()
     traces = []
 
     def f(w, x):
@@ -174,12 +174,12 @@ def test_runs_with_literal_constants_are_spliced_and_cached(c):
     g, tag_grads = jt.grad(f)(W, X)
     assert_trees_close(tag_grads, oracle)
     assert_trees_close(g, jax.grad(layers)(W, X, c, e0))
-    first = _splice.run_function.cache_info()
+    first = _fused_runs.run_function.cache_info()
     # The layers' runs hold literals (c, the mean's count, 3.0) and are spliced: the repeated
     # layers share their functions.
     assert first.hits >= 6, first
     jt.grad(f)(W, X)
-    second = _splice.run_function.cache_info()
+    second = _fused_runs.run_function.cache_info()
     assert second.misses == first.misses and second.hits > first.hits, (first, second)
     # Under jax.jit the second call does not trace the function again.
     jitted = jax.jit(jt.grad(f))
@@ -190,7 +190,7 @@ def test_runs_with_literal_constants_are_spliced_and_cached(c):
 
 
 def test_runs_that_differ_only_in_a_constant_do_not_share_a_splice(maybe_jit):
-    _splice.run_function.cache_clear()
+    _fused_runs.run_function.cache_clear()
     e0 = jnp.zeros((4, 3))
     for c in (2.0, 3.0, 2.0, -0.5):
         _, tag_grads = maybe_jit(jt.grad(lambda w, x: layers(w, x, c)))(W, X)
@@ -200,7 +200,7 @@ def test_runs_that_differ_only_in_a_constant_do_not_share_a_splice(maybe_jit):
 
 def test_constants_are_keyed_by_their_bits():
     def key(val, aval=None):
-        found = _splice.constant(types.SimpleNamespace(val=val, aval=aval))
+        found = _fused_runs.constant(types.SimpleNamespace(val=val, aval=aval))
         assert found is not None
         return found
 
@@ -212,5 +212,5 @@ def test_constants_are_keyed_by_their_bits():
     assert key(float("nan")) == key(float("nan"))  # the same bits: one function is right for both
     assert key(np.array(2.0), "weak") != key(np.array(2.0), "strong")
     # Too large to key cheaply, or not readable as bits: the run is left unspliced.
-    assert _splice.constant(types.SimpleNamespace(val=np.zeros(1000), aval=None)) is None
-    assert _splice.constant(types.SimpleNamespace(val=np.array([object()]), aval=None)) is None
+    assert _fused_runs.constant(types.SimpleNamespace(val=np.zeros(1000), aval=None)) is None
+    assert _fused_runs.constant(types.SimpleNamespace(val=np.array([object()]), aval=None)) is None

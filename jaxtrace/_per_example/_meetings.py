@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from .. import _compat, _equation_params, _higher_order
 from .._module_tags import INPUT_SUFFIX
-from .._splice import bind_equation
+from .._fused_runs import bind_equation
 from .._tag import scoped, tag as _tag
 
 __all__ = ["Replay", "shared_gradient"]

@@ -50,7 +50,7 @@ import jax
 import numpy as np
 
 from .. import _compat, _equation_params, _higher_order
-from .._splice import bind_equation
+from .._fused_runs import bind_equation
 from .._tag import is_tag
 from .._module_tags import INPUT_SUFFIX, PARAMS_SUFFIX  # "<path>:params:<attribute>": a layer's parameter where it reads it
 from ._owners import ELEMENTWISE, MULTI, OWNERS, SHAPE_ONLY, Axis, Every, Step, axis_of, elementwise, inexact, shape_of, unit
