@@ -78,6 +78,7 @@ CORE = (
     "_compat",
     "_equation_params",
     "_higher_order",
+    "_walker",
     "_leaves",
     "_sites",
     "_stacking",

@@ -1,0 +1,280 @@
+"""One walk over a traced program: every analysis of a jaxpr is a table of rules on it.
+
+The per-example proof, the leaves used outside their layers, the leaves read by one primitive,
+the replay with a tag where a shared value meets the examples, and the order in which
+``find_nonfinite`` reports all ask the same questions: which equations, in which order
+(forward, or the backward pass's), inside which loop and which branch. ``Walker`` answers them
+once. It visits a jaxpr's equations forward (``forward``) or backward (``backward``), each with
+its *context*: the equations that hold its body, outermost first, and right after a ``cond``
+the branch (its jaxpr) it is in. It recurses through the one ``_higher_order`` table: calls
+(``jit``, ``closed_call``, ``checkpoint``, custom derivatives' primal bodies) as if inline,
+``cond`` branch by branch (their results joined), ``scan`` and ``while`` bodies run until their
+carries stop changing (``fixed_point``), and, for an analysis whose values are arrays
+(``evaluates``), a ``scan`` run again as ``lax.scan`` over its body's walk.
+
+An analysis subclasses ``Walker`` and gives ``rules`` (primitive name -> ``rule(walker, eqn,
+values, ctx)``: the outputs' values forward, the operands' backward) and ``equation``, the
+default for a primitive with no rule (and for a higher-order equation it does not enter); it
+never matches ``scan`` or ``cond`` itself. JAX's ``pe.dce_rules`` are the model.
+
+Example (which inputs each output depends on, as bit masks)::
+
+    class Deps(Walker):
+        bottom = 0
+        def join(self, a, b): return a | b
+        def equation(self, eqn, ins, ctx): return [functools.reduce(operator.or_, ins, 0)] * len(eqn.outvars)
+
+    Deps().forward(jaxpr, [1, 2])  # [3] for the jaxpr of lambda x, y: x * y
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Sequence
+
+from . import _compat, _equation_params, _higher_order
+
+__all__ = ["Walker", "loop_depth"]
+
+# The kinds a walk enters by default; an analysis lists fewer where it treats the others as a whole.
+_ENTERED = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.CUSTOM, _higher_order.COND, _higher_order.SCAN, _higher_order.WHILE})
+_EVALUATED = frozenset({*_higher_order.CALL_LIKE, _higher_order.SCAN})  # what a walk over arrays can run again
+
+
+def loop_depth(ctx: tuple) -> int:
+    """How many ``lax.scan`` bodies hold a body of context ``ctx``."""
+    return sum(1 for e in ctx if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN)
+
+
+class Walker:
+    """A walk over a jaxpr with per-primitive rules (see the module docstring).
+
+    Hooks (each with a default): ``join`` (two values of one var: branches, loop steps),
+    ``combine`` (backward: two uses of one var), ``literal``, ``before`` (a result for an
+    equation ahead of every rule), ``enter`` (whether to walk a higher-order equation's
+    bodies), ``into_loop`` and ``out_of_body`` (a value as it enters a loop body, or leaves
+    any body), ``loop_ys`` and ``loop_operands`` (backward: a scan's outputs into its body,
+    and its body's results out to its operands), ``record`` (every var's value, with its
+    context).
+    """
+
+    rules: ClassVar[dict[str, Callable]] = {}
+    enters: ClassVar[frozenset] = _ENTERED
+    fixed_point: ClassVar[bool] = True  # loop bodies walked until their carries stop changing (else once)
+    evaluates: ClassVar[bool] = False  # values are arrays: literals and consts are theirs, scans run again
+    bottom: Any = None  # the value of what nothing reaches (and of a closed-over constant)
+
+    # --- hooks ---------------------------------------------------------------------
+
+    def join(self, a, b):
+        return b if a is None or a == b else a if b is None else self.bottom
+
+    def combine(self, old, new, var, ctx: tuple, eqn):
+        return self.join(old, new)
+
+    def literal(self, atom):
+        return atom.val if self.evaluates else self.bottom
+
+    def before(self, eqn, values: list, ctx: tuple):
+        return None
+
+    def enter(self, eqn, values: list, ctx: tuple) -> bool:
+        kind = _higher_order.kind(eqn)
+        return kind in self.enters and (not self.evaluates or kind in _EVALUATED)
+
+    def equation(self, eqn, values: list, ctx: tuple) -> list:
+        raise NotImplementedError(f"{type(self).__name__} has no default rule (for `{eqn.primitive.name}`).")
+
+    def into_loop(self, eqn, role: str, value, ctx: tuple):
+        """``value`` as the body of loop ``eqn`` sees it; ``role``: "const", "carry" or "xs"."""
+        return value
+
+    def out_of_body(self, eqn, value, ctx: tuple):
+        return value
+
+    def loop_ys(self, eqn, outs: list, ctx: tuple) -> list:
+        return outs[_equation_params.scan_params(eqn).num_carry :]
+
+    def loop_operands(self, eqn, outs: list, got: list, carry: list, ctx: tuple) -> list:
+        k, c = _counts(eqn)
+        return [*got[:k], *carry, *got[k + c :]]
+
+    def record(self, ctx: tuple, var, value) -> None:
+        pass
+
+    # --- the walk ------------------------------------------------------------------
+
+    def forward(self, jaxpr, values: Sequence, ctx: tuple = (), consts: Sequence | None = None) -> list:
+        """The values of ``jaxpr``'s outputs from those of its invars (``values``) and constvars
+        (``consts``; default: a closed jaxpr's own where the walk evaluates, else ``bottom``)."""
+        jaxpr, own = _compat.jaxpr_and_consts(jaxpr)
+        if consts is None:
+            consts = own if self.evaluates else [self.bottom] * len(jaxpr.constvars)
+        env: dict = {}
+        for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *values)):
+            self._write(env, ctx, v, x)
+        for eqn in jaxpr.eqns:
+            ins = [self._read(env, a) for a in eqn.invars]
+            outs = self.before(eqn, ins, ctx)
+            if outs is None:
+                outs = self._dispatch(eqn, ins, ctx, _FORWARD)
+            for v, x in zip(eqn.outvars, outs):
+                self._write(env, ctx, v, x)
+        return [self._read(env, a) for a in jaxpr.outvars]
+
+    def backward(self, jaxpr, values: Sequence, ctx: tuple = ()) -> list:
+        """The values of ``jaxpr``'s constvars and invars (in that order) from those of its outputs:
+        the equations in reverse, each var's uses combined (``combine``)."""
+        jaxpr, _ = _compat.jaxpr_and_consts(jaxpr)
+        env: dict = {}
+        for v, x in zip(jaxpr.outvars, values):
+            if not isinstance(v, _compat.Literal):
+                env[v] = self.combine(env.get(v, self.bottom), x, v, ctx, None)
+        for eqn in reversed(jaxpr.eqns):
+            outs = [env.get(v, self.bottom) for v in eqn.outvars]
+            for v, x in zip(eqn.outvars, outs):
+                self.record(ctx, v, x)
+            if all(x == self.bottom for x in outs):  # reaches nothing: nor do its operands
+                continue
+            ins = self.before(eqn, outs, ctx)
+            if ins is None:
+                ins = self._dispatch(eqn, outs, ctx, _BACKWARD)
+            for a, x in zip(eqn.invars, ins):
+                if not isinstance(a, _compat.Literal) and x != self.bottom:
+                    env[a] = self.combine(env.get(a, self.bottom), x, a, ctx, eqn)
+        found = [env.get(v, self.bottom) for v in (*jaxpr.constvars, *jaxpr.invars)]
+        for v, x in zip((*jaxpr.constvars, *jaxpr.invars), found):
+            self.record(ctx, v, x)
+        return found
+
+    def call(self, eqn, values: list, ctx: tuple, direction: str) -> list:
+        """A call-like equation (``jit``, ``checkpoint``, a custom derivative's primal body) walked as if
+        inline: forward, its outputs' values; backward, its operands'."""
+        body = _higher_order.body(eqn)
+        if direction == _FORWARD:
+            consts = None if self.evaluates else [self.bottom] * len(_compat.jaxpr_and_consts(body)[0].constvars)
+            return [self.out_of_body(eqn, x, ctx) for x in self.forward(body, values, (*ctx, eqn), consts)]
+        n = len(_compat.jaxpr_and_consts(body)[0].constvars)
+        return self.backward(body, values, (*ctx, eqn))[n:]
+
+    def loop_body_backward(self, eqn, carry: list, ys: list, ctx: tuple) -> tuple[list, list]:
+        """A scan's body read backward from its carries' and ``ys``'s values, the carries fed back until
+        they stop changing: ``(the values of its consts, carries and xs, the carries')``."""
+        body = _equation_params.scan_params(eqn).body
+        k, c = _counts(eqn)
+        n = len(_compat.jaxpr_and_consts(body)[0].constvars)
+        carry = list(carry)
+        while True:
+            got = self.backward(body, [*carry, *ys], (*ctx, eqn))[n:]
+            new = [self.join(a, b) for a, b in zip(carry, got[k : k + c])]
+            if new == carry or not self.fixed_point:
+                return got, new
+            carry = new
+
+    # --- the higher-order kinds ----------------------------------------------------
+
+    def _dispatch(self, eqn, values: list, ctx: tuple, direction: str) -> list:
+        rule = self.rules.get(eqn.primitive.name)
+        if rule is not None:
+            return rule(self, eqn, values, ctx)
+        kind = _higher_order.kind(eqn)
+        if kind is not None and self.enter(eqn, values, ctx):
+            return _KINDS[kind, direction](self, eqn, values, ctx)
+        return self.equation(eqn, values, ctx)
+
+    def _cond(self, eqn, values: list, ctx: tuple, direction: str) -> list:
+        n = len(eqn.outvars) if direction == _FORWARD else len(eqn.invars) - 1
+        joined = None
+        for branch in _equation_params.cond_branches(eqn):
+            inner = (*ctx, eqn, branch)
+            if direction == _FORWARD:
+                got = [self.out_of_body(eqn, x, ctx) for x in self.forward(branch, values[1:], inner, self._consts(branch))]
+            else:
+                got = self.backward(branch, values, inner)[len(_compat.jaxpr_and_consts(branch)[0].constvars) :]
+            joined = got if joined is None else [self.join(a, b) for a, b in zip(joined, got)]
+        joined = joined if joined is not None else [self.bottom] * n
+        return joined if direction == _FORWARD else [self.bottom, *joined]
+
+    def _scan_forward(self, eqn, values: list, ctx: tuple) -> list:
+        p = _equation_params.scan_params(eqn)
+        k, c = p.num_consts, p.num_carry
+        if self.evaluates:
+            return self._scan_again(eqn, p, values, ctx)
+        consts = [self.into_loop(eqn, "const", x, ctx) for x in values[:k]]
+        xs = [self.into_loop(eqn, "xs", x, ctx) for x in values[k + c :]]
+        carry = self._fixed_point(eqn, p.body, consts, [self.into_loop(eqn, "carry", x, ctx) for x in values[k : k + c]], xs, ctx)
+        return [self.out_of_body(eqn, x, ctx) for x in carry]
+
+    def _scan_again(self, eqn, p, values: list, ctx: tuple) -> list:
+        """``eqn`` run again as ``lax.scan`` over its body's walk (values that are arrays)."""
+        import jax
+
+        k, c = p.num_consts, p.num_carry
+
+        def step(carry, xs):
+            outs = self.forward(p.body, [*values[:k], *carry, *xs], (*ctx, eqn))
+            return outs[:c], outs[c:]
+
+        carry, ys = jax.lax.scan(step, values[k : k + c], values[k + c :], length=p.length, reverse=p.reverse, unroll=p.unroll)
+        return [*carry, *ys]
+
+    def _while_forward(self, eqn, values: list, ctx: tuple) -> list:
+        """The body of a ``while`` (its predicate's value flows nowhere: it only says when to stop)."""
+        p = _equation_params.while_params(eqn)
+        consts = [self.into_loop(eqn, "const", x, ctx) for x in values[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]]
+        carry = [self.into_loop(eqn, "carry", x, ctx) for x in values[p.cond_nconsts + p.body_nconsts :]]
+        return [self.out_of_body(eqn, x, ctx) for x in self._fixed_point(eqn, p.body, consts, carry, [], ctx)]
+
+    def _fixed_point(self, eqn, body, consts: list, carry: list, xs: list, ctx: tuple) -> list:
+        """The body's outputs, its carries fed back until they stop changing; the carries out are the
+        join of every step's (and of the carries in: a loop may run no step)."""
+        c = len(carry)
+        while True:
+            outs = self.forward(body, [*consts, *carry, *xs], (*ctx, eqn), self._consts(body))
+            new = [self.join(a, b) for a, b in zip(carry, outs[:c])]
+            if new == carry or not self.fixed_point:
+                return [*new, *outs[c:]]
+            carry = new
+
+    def _scan_backward(self, eqn, outs: list, ctx: tuple) -> list:
+        c = _equation_params.scan_params(eqn).num_carry
+        got, carry = self.loop_body_backward(eqn, outs[:c], self.loop_ys(eqn, outs, ctx), ctx)
+        return self.loop_operands(eqn, outs, got, carry, ctx)
+
+    def _while_backward(self, eqn, outs: list, ctx: tuple) -> list:
+        p = _equation_params.while_params(eqn)
+        n = len(_compat.jaxpr_and_consts(p.body)[0].constvars)
+        carry = list(outs)
+        while True:
+            got = self.backward(p.body, carry, (*ctx, eqn))[n:]
+            new = [self.join(a, b) for a, b in zip(carry, got[p.body_nconsts :])]
+            if new == carry or not self.fixed_point:
+                return [*[self.bottom] * p.cond_nconsts, *got[: p.body_nconsts], *new]
+            carry = new
+
+    def _consts(self, body) -> Sequence | None:
+        return None if self.evaluates else [self.bottom] * len(_compat.jaxpr_and_consts(body)[0].constvars)
+
+    def _read(self, env: dict, atom):
+        return self.literal(atom) if isinstance(atom, _compat.Literal) else env.get(atom, self.bottom)
+
+    def _write(self, env: dict, ctx: tuple, var, value) -> None:
+        if not isinstance(var, _compat.DropVar):
+            env[var] = value
+            self.record(ctx, var, value)
+
+
+def _counts(eqn) -> tuple[int, int]:
+    p = _equation_params.scan_params(eqn)
+    return p.num_consts, p.num_carry
+
+
+_FORWARD, _BACKWARD = "forward", "backward"
+_KINDS: dict = {
+    **{(kind, direction): lambda w, e, v, c, d=direction: w.call(e, v, c, d) for kind in _higher_order.CALL_LIKE for direction in (_FORWARD, _BACKWARD)},
+    (_higher_order.COND, _FORWARD): lambda w, e, v, c: w._cond(e, v, c, _FORWARD),
+    (_higher_order.COND, _BACKWARD): lambda w, e, v, c: w._cond(e, v, c, _BACKWARD),
+    (_higher_order.SCAN, _FORWARD): Walker._scan_forward,
+    (_higher_order.SCAN, _BACKWARD): Walker._scan_backward,
+    (_higher_order.WHILE, _FORWARD): Walker._while_forward,
+    (_higher_order.WHILE, _BACKWARD): Walker._while_backward,
+}
