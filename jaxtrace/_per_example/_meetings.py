@@ -22,10 +22,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, _equation_params, _higher_order
+from .. import _compat
 from .._module_tags import INPUT_SUFFIX
 from .._fused_runs import bind_equation
 from .._tag import scoped, tag as _tag
+from .._walker import Walker
 
 __all__ = ["Replay", "shared_gradient"]
 
@@ -36,7 +37,8 @@ class Replay:
     tag at each meeting (``shared_names``: ``{path: [(tag name, _proof.SharedUse)]}``) and each
     proven read (``reads``: ``{tag name: _reads.Read}``). The ``jit`` and ``checkpoint`` calls that
     hold such a place run inline, so that the tag sits at it; a ``lax.scan`` whose body holds a read
-    runs as a scan again, its body replayed (the tag's values stack one per step). The tags of a layer's
+    runs as a scan again, its body replayed (the tag's values stack one per step): the one walk
+    (``_walker``) over arrays. The tags of a layer's
     calls of another layout (``renamed``: ``{key: name}``, keyed as the places are) are bound under
     names of their own (``_groups``), in the bodies that hold them run the same way."""
 
@@ -53,7 +55,7 @@ class Replay:
     def __call__(self, leaves):
         at, inline = self._places
         with scoped(self.scope):
-            outs = self._run(self.jaxpr, self.consts, leaves, (), at, inline)
+            outs = _Replayer(self, at, inline).forward(self.jaxpr, leaves, (), self.consts)
         return jax.tree_util.tree_unflatten(self.out_tree, outs)
 
     @functools.cached_property
@@ -73,57 +75,6 @@ class Replay:
         for key in self.renamed:  # a layer's calls of another layout: their tags under a name of their own
             inline.update(key[: k + 1] for k in range(len(key) - 1))
         return at, inline
-
-    def _run(self, jaxpr, consts, args, ctx: tuple, at: dict, inline: set) -> list:
-        env: dict = {}
-        for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
-            _compat.write(env, v, x)
-        ids = tuple(map(id, ctx))
-        for eqn in jaxpr.eqns:
-            ins = [_compat.read(env, a) for a in eqn.invars]
-            key = (*ids, id(eqn))
-            met = [(i, at[(*key, i)]) for i in range(len(ins)) if (*key, i) in at]
-            if key in inline and _higher_order.kind(eqn) == _higher_order.SCAN:  # a scan over a leaf read per step
-                outs = self._scan(eqn, ins, ctx, at, inline)
-            elif key in inline:  # a jit or checkpoint body holding a meeting or a read: run it here
-                body, body_consts = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
-                outs = self._run(body, body_consts, ins, (*ctx, eqn), at, inline)
-            elif key in self.renamed:
-                outs = bind_equation(_compat.with_params(eqn, name=self.renamed[key]), ins)
-            elif met and eqn.primitive.name == "dot_general":
-                ((i, name),) = met
-                outs = [self._dot_per_example(eqn, ins, i, name, ctx)]
-            elif met and eqn.primitive.name == "broadcast_in_dim":  # its output holds one copy per example
-                ((_, name),) = met
-                outs = [_tag(bind_equation(eqn, ins)[0], name)]
-            elif ("read", *key) in at:  # a leaf read outside its layers: its operand and output
-                name = at[("read", *key)]
-                other = self.reads[name].other
-                if other is not None:
-                    ins[other] = _tag(ins[other], name + INPUT_SUFFIX)
-                (out,) = bind_equation(eqn, ins)
-                outs = [out if name in self.shared_names else _tag(out, name)]  # shared: tagged where it meets the examples
-            else:
-                for i, name in met:
-                    ins[i] = _tag(jnp.broadcast_to(ins[i], eqn.outvars[0].aval.shape), name)
-                outs = bind_equation(eqn, ins)
-            for v, x in zip(eqn.outvars, outs):
-                _compat.write(env, v, x)
-        return [_compat.read(env, a) for a in jaxpr.outvars]
-
-    def _scan(self, eqn, ins, ctx, at: dict, inline: set) -> list:
-        """``eqn`` (a ``lax.scan``) run again with its body replayed: the tags in it stack one value per step."""
-        p = _equation_params.scan_params(eqn)
-        body, body_consts = _compat.jaxpr_and_consts(p.body)
-        k, c = p.num_consts, p.num_carry
-        consts = ins[:k]
-
-        def step(carry, xs):
-            outs = self._run(body, body_consts, [*consts, *carry, *xs], (*ctx, eqn), at, inline)
-            return outs[:c], outs[c:]
-
-        carry, ys = jax.lax.scan(step, ins[k : k + c], ins[k + c :], length=p.length, reverse=p.reverse, unroll=p.unroll)
-        return [*carry, *ys]
 
     def _dot_per_example(self, eqn, ins, index, name, ctx):
         """``eqn`` (a ``dot_general`` whose operand ``index`` is shared and whose other operand's free
@@ -147,6 +98,42 @@ class Replay:
             lhs, rhs, dims, precision=eqn.params.get("precision"), preferred_element_type=eqn.params.get("preferred_element_type")
         )  # the examples' axis comes right after lb's batch axes: move it back where eqn has it
         return jnp.moveaxis(out, len(lb), axis)
+
+
+class _Replayer(Walker):
+    """The walk that replays: the program evaluated again (``evaluates``), entering only the calls and
+    scans that hold a meeting or a read (``inline``), every other equation bound as it is, but where
+    a tag goes (``at``, ``Replay.renamed``)."""
+
+    evaluates = True
+
+    def __init__(self, replay: Replay, at: dict, inline: set):
+        self.replay, self.at, self.inline = replay, at, inline
+
+    def enter(self, eqn, ins: list, ctx: tuple) -> bool:
+        return (*map(id, ctx), id(eqn)) in self.inline and super().enter(eqn, ins, ctx)
+
+    def equation(self, eqn, ins: list, ctx: tuple) -> list:
+        replay, at, key = self.replay, self.at, (*map(id, ctx), id(eqn))
+        met = [(i, at[(*key, i)]) for i in range(len(ins)) if (*key, i) in at]
+        if key in replay.renamed:
+            return bind_equation(_compat.with_params(eqn, name=replay.renamed[key]), ins)
+        if met and eqn.primitive.name == "dot_general":
+            ((i, name),) = met
+            return [replay._dot_per_example(eqn, ins, i, name, ctx)]
+        if met and eqn.primitive.name == "broadcast_in_dim":  # its output holds one copy per example
+            ((_, name),) = met
+            return [_tag(bind_equation(eqn, ins)[0], name)]
+        if ("read", *key) in at:  # a leaf read outside its layers: its operand and output
+            name = at[("read", *key)]
+            other = replay.reads[name].other
+            if other is not None:
+                ins[other] = _tag(ins[other], name + INPUT_SUFFIX)
+            (out,) = bind_equation(eqn, ins)
+            return [out if name in replay.shared_names else _tag(out, name)]  # shared: tagged where it meets the examples
+        for i, name in met:
+            ins[i] = _tag(jnp.broadcast_to(ins[i], eqn.outvars[0].aval.shape), name)
+        return bind_equation(eqn, ins)
 
 
 def shared_gradient(ct, use, proof, batch: int):
