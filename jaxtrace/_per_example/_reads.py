@@ -37,9 +37,10 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from .. import _compat, _equation_params, _higher_order
+from .. import _higher_order
 from .._module_tags import INPUT_SUFFIX
 from .._tag import is_tag
+from .._walker import Walker
 from ._factors import Index, Use, examples_first
 
 __all__ = ["READS", "Read", "find_reads"]
@@ -99,77 +100,73 @@ def find_reads(jaxpr, n_leaves: int, layers: set) -> list[Read]:
     the ``jit`` and ``checkpoint`` bodies it calls (``jnp.take`` and ``jnp.einsum`` are such bodies),
     and of one step's slice in the body of a ``lax.scan`` over a leaf, in program order, outside
     the calls of the covered layers ``layers`` (paths; their rules hold what those read)."""
-    out: list = []
-    _Finder(layers, out).run(jaxpr, {v: (i, False, ()) for i, v in enumerate(jaxpr.invars[:n_leaves])}, ())
-    return out
+    finder = _Finder(layers)
+    finder.forward(jaxpr, [(i, False, ()) for i in range(n_leaves)] + [None] * (len(jaxpr.invars) - n_leaves))
+    return finder.found
 
 
-class _Finder:
-    def __init__(self, layers: set, out: list):
-        self.layers, self.out = layers, out
+class _Finder(Walker):
+    """The walk that finds reads. A value is ``(leaf, transposed, loops)``, the leaf itself or seen
+    through ``_VIEWS`` (``loops``: per scan around it, as ``Read.loops``), or None. Calls and scans
+    are entered (their bodies walked once), nothing else; no value flows out of a body."""
 
-    def run(self, jaxpr, alias: dict, ctx: tuple) -> None:
-        """``alias``: var -> ``(leaf, transposed, loops)``, the leaf itself or seen through ``_VIEWS``;
-        ``loops``: per scan around it, as ``Read.loops``."""
-        open_calls: list = []
-        for eqn in jaxpr.eqns:
-            if is_tag(eqn):  # a covered layer's call runs from its input's tag to its output's
-                name = eqn.params["name"]
-                if name.endswith(INPUT_SUFFIX) and name[: -len(INPUT_SUFFIX)] in self.layers:
-                    open_calls.append(name[: -len(INPUT_SUFFIX)])
-                elif open_calls and name == open_calls[-1]:
-                    open_calls.pop()
-                continue
-            if open_calls:
-                continue
-            ins = [None if isinstance(a, _compat.Literal) else a for a in eqn.invars]
-            name = eqn.primitive.name
-            if name in _compat.INLINE_CALLS or name in _compat.REMAT:
-                body, _ = _compat.jaxpr_and_consts(_equation_params.call_body(eqn))
-                inner = {b: alias[a] for a, b in zip(ins, body.invars) if a is not None and a in alias}
-                if inner:
-                    self.run(body, inner, (*ctx, eqn))
-                continue
-            if _higher_order.kind(eqn) == _higher_order.SCAN:
-                self._scan(eqn, ins, alias, ctx)
-                continue
-            view = _VIEWS.get(name)
-            if view is not None and len(ins) == 1 and ins[0] in alias:
-                flips = view(eqn)
-                if flips is not None:
-                    leaf, t, loop = alias[ins[0]]
-                    alias[eqn.outvars[0]] = (leaf, t != flips, loop)
-                continue
-            rule = READS.get(name)
-            if rule is None:
-                continue
-            for k, v in enumerate(ins):
-                if v is None or v not in alias:
-                    continue
-                leaf, t, loop = alias[v]
-                if t and not rule.transposable:
-                    continue
-                others = [a for j, a in enumerate(ins) if j != k and a is not None]
-                if rule.match(eqn, k, tuple(v.aval.shape)) and not any(a in alias for a in others):
-                    self.out.append(Read(eqn, leaf, k, t, rule, ctx, loop))
-                    break
+    enters = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.SCAN})
+    fixed_point = False
 
-    def _scan(self, eqn, ins: list, alias: dict, ctx: tuple) -> None:
+    def __init__(self, layers: set):
+        self.layers, self.found = layers, []
+        self.open_calls: dict = {}  # ctx -> the covered layers whose call the walk of that body is in
+
+    def before(self, eqn, ins: list, ctx: tuple):
+        open_calls = self.open_calls.setdefault(ctx, [])
+        if is_tag(eqn):  # a covered layer's call runs from its input's tag to its output's
+            name = eqn.params["name"]
+            if name.endswith(INPUT_SUFFIX) and name[: -len(INPUT_SUFFIX)] in self.layers:
+                open_calls.append(name[: -len(INPUT_SUFFIX)])
+            elif open_calls and name == open_calls[-1]:
+                open_calls.pop()
+            return [None] * len(eqn.outvars)
+        return [None] * len(eqn.outvars) if open_calls else None
+
+    def enter(self, eqn, ins: list, ctx: tuple) -> bool:
+        return super().enter(eqn, ins, ctx) and any(x is not None for x in ins)
+
+    def into_loop(self, eqn, role: str, value, ctx: tuple):
         """A ``lax.scan`` (forward or reversed: the tags in its body stack their values in the order of
         ``xs``, as its ``ys`` do): leaves among its ``xs`` (not transposed, not a slice already) are read
         one step's slice at a time in its body, leaves among its consts whole at every step."""
-        p = _equation_params.scan_params(eqn)
-        body, _ = _compat.jaxpr_and_consts(p.body)
-        first = p.num_consts + p.num_carry
-        inner = {}
-        for a, b in zip(ins[: p.num_consts], body.invars[: p.num_consts]):
-            if a is not None and a in alias:
-                inner[b] = (*alias[a][:2], (*alias[a][2], "repeated"))
-        for a, b in zip(ins[first:], body.invars[first:]):
-            if a is not None and a in alias and not alias[a][1] and "stepped" not in alias[a][2]:
-                inner[b] = (alias[a][0], False, (*alias[a][2], "stepped"))
-        if inner:
-            self.run(body, inner, (*ctx, eqn))
+        if value is None or role == "carry":
+            return None
+        leaf, transposed, loops = value
+        if role == "const":
+            return (leaf, transposed, (*loops, "repeated"))
+        return None if transposed or "stepped" in loops else (leaf, False, (*loops, "stepped"))
+
+    def out_of_body(self, eqn, value, ctx: tuple):
+        return None
+
+    def equation(self, eqn, ins: list, ctx: tuple) -> list:
+        outs = [None] * len(eqn.outvars)
+        name = eqn.primitive.name
+        view = _VIEWS.get(name)
+        if view is not None:
+            flips = view(eqn) if len(ins) == 1 and ins[0] is not None else None
+            if flips is not None:
+                leaf, t, loops = ins[0]
+                outs[0] = (leaf, t != flips, loops)
+            return outs
+        rule = READS.get(name)
+        for k, x in enumerate(ins if rule is not None else ()):
+            if x is None:
+                continue
+            leaf, t, loops = x
+            if t and not rule.transposable:
+                continue
+            others = [y for j, y in enumerate(ins) if j != k]
+            if rule.match(eqn, k, tuple(eqn.invars[k].aval.shape)) and all(y is None for y in others):
+                self.found.append(Read(eqn, leaf, k, t, rule, ctx, loops))
+                break
+        return outs
 
 
 def _transpose_view(eqn) -> Optional[bool]:
