@@ -1,0 +1,162 @@
+"""The one walk over a traced program (``jaxtrace._walker``): forward and backward, calls, branches,
+loops to a fixed point over their carries, nested and reversed scans, and a walk over arrays.
+
+Each expectation is worked out by hand from the program (which input each output depends on), or is
+the program's own value (a walk that evaluates must give what the function gives).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrace import _compat, _higher_order
+from jaxtrace._fused_runs import bind_equation
+from jaxtrace._walker import Walker, loop_depth
+
+
+class Deps(Walker):
+    """Forward: bit masks of the inputs each value depends on."""
+
+    bottom = 0
+
+    def __init__(self):
+        self.contexts = set()
+
+    def join(self, a, b):
+        return a | b
+
+    def record(self, ctx, var, value):
+        self.contexts.add(tuple(_higher_order.kind(e) if hasattr(e, "primitive") else "branch" for e in ctx))
+
+    def equation(self, eqn, ins, ctx):
+        return [functools.reduce(operator.or_, ins, 0)] * len(eqn.outvars)
+
+
+class Reaches(Walker):
+    """Backward: bit masks of the outputs each value reaches."""
+
+    bottom = 0
+
+    def join(self, a, b):
+        return a | b
+
+    def equation(self, eqn, outs, ctx):
+        return [functools.reduce(operator.or_, outs, 0)] * len(eqn.invars)
+
+
+def masks(walker, fun, *args):
+    jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
+    return walker.forward(jaxpr, [1 << i for i in range(len(jaxpr.invars))])
+
+
+def test_carries_run_to_a_fixed_point():
+    """``(a, b) -> (b, x)``: x reaches b at the first step and a only at the second."""
+
+    def f(a, b, xs):
+        def step(carry, x):
+            a, b = carry
+            return (b, x), a
+
+        return jax.lax.scan(step, (a, b), xs)
+
+    assert masks(Deps(), f, 1.0, 2.0, jnp.ones(3)) == [0b111, 0b110, 0b111]
+
+
+def test_a_loop_that_runs_no_step_keeps_its_carries():
+    """The body drops its carry, but a scan of length 0 (or a while loop that never runs) returns it."""
+
+    def scan(c, xs):
+        return jax.lax.scan(lambda c, x: (x, x), c, xs)[0]
+
+    def while_loop(c, x):
+        return jax.lax.while_loop(lambda c: c < 0.0, lambda c: x, c)
+
+    assert masks(Deps(), scan, 1.0, jnp.ones(0)) == [0b11]
+    assert masks(Deps(), while_loop, 1.0, 2.0) == [0b11]
+
+
+def test_branches_are_joined_and_calls_are_inline_with_one_context():
+    def f(p, x, y):
+        inner = jax.jit(lambda x: jnp.sin(x))
+        return jax.lax.cond(p > 0, lambda x, y: inner(x), lambda x, y: y, x, y), inner(y)
+
+    walker = Deps()
+    assert masks(walker, f, 1.0, 2.0, 3.0) == [0b110, 0b100]  # (the predicate's value does not flow into a branch)
+    assert {("cond", "branch", "call"), ("call",), ("cond", "branch"), ()} <= walker.contexts
+
+
+def test_nested_scans_are_walked_with_their_depth():
+    depths = []
+
+    class Depths(Deps):
+        def record(self, ctx, var, value):
+            depths.append(loop_depth(ctx))
+
+    def f(xs):
+        inner = lambda c, x: (c + x, c)  # noqa: E731
+        return jax.lax.scan(lambda c, row: (c + jax.lax.scan(inner, 0.0, row)[0], c), 0.0, xs)
+
+    assert masks(Depths(), f, jnp.ones((2, 3))) == [1, 1]
+    assert max(depths) == 2
+
+
+def test_backward_through_a_scan_a_branch_and_a_call():
+    """Which outputs each input reaches, read from the outputs back."""
+
+    def f(p, x, y, zs):
+        carry, ys = jax.lax.scan(lambda c, z: (c * z, c), x, zs)
+        return jax.lax.cond(p > 0, lambda a, b: a, lambda a, b: jax.jit(jnp.cos)(b), carry, y), ys
+
+    jaxpr = jax.make_jaxpr(f)(1.0, 2.0, 3.0, jnp.ones(4)).jaxpr
+    got = Reaches().backward(jaxpr, [0b01, 0b10])
+    assert got[len(jaxpr.constvars) :] == [0, 0b11, 0b01, 0b11]
+
+
+class Again(Walker):
+    """A walk over arrays: every equation bound as it is, scans run again over their bodies' walk."""
+
+    evaluates = True
+
+    def __init__(self):
+        self.scans = 0
+
+    def enter(self, eqn, values, ctx):
+        self.scans += _higher_order.kind(eqn) == _higher_order.SCAN
+        return super().enter(eqn, values, ctx)
+
+    def equation(self, eqn, ins, ctx):
+        return bind_equation(eqn, ins)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_walk_over_arrays_runs_reversed_and_nested_scans_again(reverse):
+    def f(xs):
+        def row(c, r):
+            c2, ys = jax.lax.scan(lambda a, x: (a * 0.5 + x, a), c, r, reverse=not reverse)
+            return c2 + jax.jit(jnp.sin)(c), ys
+
+        return jax.lax.scan(row, 1.0, xs, reverse=reverse)
+
+    xs = jnp.arange(12.0).reshape(3, 4) / 7
+    closed = jax.make_jaxpr(f)(xs)
+    jaxpr, consts = _compat.jaxpr_and_consts(closed)
+    walker = Again()
+    got = walker.forward(jaxpr, [xs], (), consts)
+    want = f(xs)
+    assert walker.scans == 2
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+
+
+def test_a_leaf_in_a_carry_that_a_scan_of_no_step_returns_is_used():
+    """``_uses`` on the walk: the body drops its carry, but with no step the scan returns the leaf."""
+    from jaxtrace._per_example._uses import used_outside
+
+    jaxpr = jax.make_jaxpr(lambda w, xs: jax.lax.scan(lambda c, x: (x, x), w, xs)[0])(1.0, jnp.ones(0)).jaxpr
+    assert used_outside(jaxpr, 1, {}) == {0}
