@@ -24,8 +24,9 @@ import os
 
 import numpy as np
 
-from . import _compat, _equation_params, _higher_order
+from . import _compat, _higher_order
 from ._tag import is_tag
+from ._walker import nesting
 
 __all__ = ["SHARD", "StepOrder", "templates", "entry_order", "loop_count", "program_key", "step_order"]
 
@@ -58,13 +59,9 @@ def templates(program, jaxpr=None, cache=None, modules=None) -> dict:
             else:
                 for body in _higher_order.bodies(eqn):
                     inner = templates(program, body, cache, modules).get(key)
-                    if inner is not None:
-                        if _higher_order.kind(eqn) == _higher_order.SCAN:
-                            template = ("loop", i, inner, bool(_equation_params.scan_params(eqn).reverse))
-                        elif _higher_order.kind(eqn) == _higher_order.SHARD_MAP:
-                            template = ("shards", i, inner, _equation_params.shard_map_params(eqn).axes)
-                        else:
-                            template = ("in", i, inner)
+                    if inner is not None:  # ("loop", i, inner, reverse), ("shards", i, inner, axes) or ("in", i, inner)
+                        kind, *how = nesting(eqn)
+                        template = (kind, i, inner, *how)
                         break
             occurrences.setdefault(key, []).append((slot, template))
     out = {}

@@ -33,7 +33,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from . import _compat, _equation_params, _higher_order
 
-__all__ = ["Walker", "loop_depth"]
+__all__ = ["Walker", "loop_depth", "nesting"]
 
 # The kinds a walk enters by default; an analysis lists fewer where it treats the others as a whole.
 _ENTERED = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.CUSTOM, _higher_order.COND, _higher_order.SCAN, _higher_order.WHILE})
@@ -43,6 +43,19 @@ _EVALUATED = frozenset({*_higher_order.CALL_LIKE, _higher_order.SCAN})  # what a
 def loop_depth(ctx: tuple) -> int:
     """How many ``lax.scan`` bodies hold a body of context ``ctx``."""
     return sum(1 for e in ctx if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN)
+
+
+def nesting(eqn) -> tuple:
+    """How the bodies of a higher-order equation run inside it: ``("loop", reverse)`` for a scan's
+    body (once per step, from the last step where ``reverse``), ``("shards", mesh axes)`` for a
+    ``shard_map``'s (once per shard, side by side), ``("in",)`` for any other (once, or once per branch
+    taken)."""
+    kind = _higher_order.kind(eqn)
+    if kind == _higher_order.SCAN:
+        return ("loop", bool(_equation_params.scan_params(eqn).reverse))
+    if kind == _higher_order.SHARD_MAP:
+        return ("shards", _equation_params.shard_map_params(eqn).axes)
+    return ("in",)
 
 
 class Walker:
