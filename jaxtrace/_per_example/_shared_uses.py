@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .. import _compat, _equation_params, _higher_order
+from .. import _compat, _higher_order
 from ._owners import ELEMENTWISE, OWNERS, SHAPE_ONLY, Axis, Every, axis_of, elementwise, shape_of
 from ._proof_backward import Backward, is_call
 
@@ -61,7 +61,7 @@ class SharedUses:
         for path, (eqns, var) in in_scans.items():  # in the body of the innermost of nested scans
             outer = [jaxpr]
             for eqn in eqns:
-                outer.append(_compat.jaxpr_and_consts(_equation_params.scan_params(eqn).body)[0])
+                outer.append(_compat.jaxpr_and_consts(_higher_order.bodies(eqn)[0])[0])
             places.append((path, var, outer.pop(), tuple(outer), tuple(eqns)))
         found = []
         for path, var, where, outer, ctx in places:
@@ -150,7 +150,7 @@ def _calls_down(jaxpr, ctx: tuple, scans: bool = False) -> Optional[tuple]:
         if not (is_call(eqn) or scan):
             return None
         outer.append(jaxpr)
-        body = _equation_params.scan_params(eqn).body if scan else _higher_order.body(eqn)
+        body = _higher_order.bodies(eqn)[0]  # (a call's, or a scan's)
         jaxpr, _ = _compat.jaxpr_and_consts(body)
     return jaxpr, tuple(outer)
 
