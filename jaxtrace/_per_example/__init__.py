@@ -24,12 +24,14 @@ squared-norm arithmetic), ``_rules`` (the per-layer rules, one function a kind o
 both frameworks), ``_plan`` (the model's differentiated leaves and which layer uses which:
 one plan, a small adapter per framework), ``_owners`` (which example's loss each
 element reaches: the per-primitive rules), ``_proof`` (the factorisation's conditions read
-from the traced program), ``_reads`` (leaves read by one primitive outside any layer:
+from the traced program: ``_proof_forward``, which leaf each layer multiplies, ``_proof_backward``,
+which loss each element reaches, ``_shared_uses``, where a shared value meets the examples), ``_reads`` (leaves read by one primitive outside any layer:
 ``table[ids]``, ``table[:n]``, ``h @ W.T``), ``_uses`` (leaves used outside their layers), ``_meetings``
 (the program replayed with a tag where a shared value meets the examples, and each example's gradient
 back from it), ``_conv`` (a convolution's per-example gradient), ``_leaf_sums`` (a leaf's norm and
 weighted sum from its uses, scan steps included), ``_pass`` (the one pass and the norms from it),
 ``_transforms`` (the public functions), ``_audit`` (the fast path checked against the definition).
+Every analysis of the traced program is a table of rules on the one walk (``jaxtrace._walker``).
 """
 
 from ._audit import LeafAudit as LeafAudit
