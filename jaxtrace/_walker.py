@@ -79,7 +79,13 @@ class Walker:
     # --- hooks ---------------------------------------------------------------------
 
     def join(self, a, b):
-        return b if a is None or a == b else a if b is None else self.bottom
+        """One value of two (of a var in two branches, or before and after a loop step); an analysis
+        whose values can differ there says how they join."""
+        if a == self.bottom or a == b:
+            return b
+        if b == self.bottom:
+            return a
+        raise NotImplementedError(f"{type(self).__name__} has no join for two different values of one var.")
 
     def combine(self, old, new, var, ctx: tuple, eqn):
         return self.join(old, new)
