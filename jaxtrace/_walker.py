@@ -170,8 +170,7 @@ class Walker:
         inline: forward, its outputs' values; backward, its operands'."""
         body = _higher_order.body(eqn)
         if direction == _FORWARD:
-            consts = None if self.evaluates else [self.bottom] * len(_compat.jaxpr_and_consts(body)[0].constvars)
-            return [self.out_of_body(eqn, x, ctx) for x in self.forward(body, values, (*ctx, eqn), consts)]
+            return [self.out_of_body(eqn, x, ctx) for x in self.forward(body, values, (*ctx, eqn), self._consts(body))]
         n = len(_compat.jaxpr_and_consts(body)[0].constvars)
         return self.backward(body, values, (*ctx, eqn))[n:]
 
@@ -274,7 +273,9 @@ class Walker:
         return None if self.evaluates else [self.bottom] * len(_compat.jaxpr_and_consts(body)[0].constvars)
 
     def _read(self, env: dict, atom):
-        return self.literal(atom) if isinstance(atom, _compat.Literal) else env.get(atom, self.bottom)
+        if isinstance(atom, _compat.Literal):
+            return self.literal(atom)
+        return env[atom] if self.evaluates else env.get(atom, self.bottom)  # (arrays: every var is written)
 
     def _write(self, env: dict, ctx: tuple, var, value) -> None:
         if not isinstance(var, _compat.DropVar):
