@@ -142,7 +142,7 @@ def assert_close(actual, expected, what="", *, rtol=1e-12, atol=1e-12, dtype=Tru
         Traceback (most recent call last):
         AssertionError: grads ['w']: 1 of 2 elements beyond rtol=1e-12, atol=1e-12: max relative difference 9.091e-02 at index (1,) (actual 1.0, expected 1.1); max absolute difference 1.000e-01
     """
-    prefix = f"{what} " if what else ""
+    prefix = f"{what}: " if what else ""
     got, got_tree = jax.tree_util.tree_flatten_with_path(actual)
     want, want_tree = jax.tree_util.tree_flatten_with_path(expected)
     if structure:
@@ -151,7 +151,7 @@ def assert_close(actual, expected, what="", *, rtol=1e-12, atol=1e-12, dtype=Tru
     if scale_atol:
         atol_scale = max([float(np.max(np.abs(_wide(w)), initial=0.0)) for _, w in want] + [1e-300])
     for (path, g), (want_path, w) in zip(got, want):
-        where = f"{prefix}{jax.tree_util.keystr(want_path if structure else path) or 'the value'}"
+        where = " ".join(filter(None, (what, jax.tree_util.keystr(want_path if structure else path)))) or "the value"
         g_dtype, w_dtype = np.asarray(g).dtype, np.asarray(w).dtype
         assert np.shape(g) == np.shape(w), f"{where}: shape {np.shape(g)}, expected {np.shape(w)}"
         assert not dtype or g_dtype == w_dtype, f"{where}: dtype {g_dtype}, expected {w_dtype}"
