@@ -19,7 +19,7 @@ from jax import lax
 
 import jaxtrace as jt
 
-from oracles import eps_oracle, hlo, zeros_like
+from oracles import assert_close, eps_oracle, hlo, zeros_like
 
 jax.config.update("jax_enable_x64", True)
 
@@ -29,15 +29,6 @@ KEYS = jax.random.split(jax.random.key(0), 16)
 @pytest.fixture(params=["eager", "filter_jit"])
 def maybe_jit(request):
     return (lambda f: f) if request.param == "eager" else eqx.filter_jit
-
-
-def assert_close(actual, expected, tol=1e-12):
-    a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    assert a_tree == e_tree, (a_tree, e_tree)
-    for a, e in zip(a_leaves, e_leaves):
-        assert np.shape(a) == np.shape(e), (np.shape(a), np.shape(e))
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=tol, atol=tol)
 
 
 def params(model):

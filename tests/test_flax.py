@@ -24,8 +24,7 @@ from flax import nnx  # noqa: E402
 import jaxtrace as jt  # noqa: E402
 import jaxtrace.flax  # noqa: E402
 
-from conftest import assert_trees_close  # noqa: E402
-from oracles import NnxStack, eps_oracle, nnx_stack_by_hand  # noqa: E402
+from oracles import NnxStack, assert_close, eps_oracle, nnx_stack_by_hand  # noqa: E402
 
 F64 = jnp.float64
 
@@ -75,9 +74,9 @@ def test_nnx_mlp_against_perturb(maybe_jit):
         warnings.simplefilter("ignore", DeprecationWarning)  # perturb outside nnx.capture (newer flax)
         oracle(X)  # perturb's init pass: creates the zero perturbations, shaped by this batch
         expected = nnx.grad(mse, argnums=nnx.DiffState(0, nnx.Perturbation))(oracle, X)
-    assert_trees_close(tag_grads, {"l1": _value(expected["p_l1"]), "l2": _value(expected["p_l2"])})
+    assert_close(tag_grads, {"l1": _value(expected["p_l1"]), "l2": _value(expected["p_l2"])})
     # the parameter gradients are those of the untagged model
-    assert_trees_close(nnx.state(grads, nnx.Param), nnx.state(nnx.grad(mse)(MLP(nnx.Rngs(0)), X), nnx.Param))
+    assert_close(nnx.state(grads, nnx.Param), nnx.state(nnx.grad(mse)(MLP(nnx.Rngs(0)), X), nnx.Param))
 
 
 def test_nnx_names_where_inputs_and_errors():
@@ -101,7 +100,7 @@ def test_nnx_original_untouched_and_state_interchangeable():
     assert type(model.l1) is nnx.Linear and isinstance(tagged.l1, nnx.Linear) and type(tagged.l1) is not nnx.Linear
     graphdef, state = nnx.split(tagged)
     assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(before)
-    assert_trees_close(state, before)
+    assert_close(state, before)
     # the tagged GraphDef with the untagged model's state is a tagged model
     merged = nnx.merge(graphdef, nnx.state(model))
     assert sorted(jt.grad(mse)(merged, X)[1]) == ["", "l1", "l2"]
@@ -129,7 +128,7 @@ def test_nnx_original_untouched_and_state_interchangeable():
         assert sorted(jt.grad(mse)(copied, X)[1]) == ["", "l1", "l2"]
     # a model whose state is changed later gets it back with nnx.update
     nnx.update(tagged, jax.tree_util.tree_map(lambda a: a + 1, nnx.state(model)))
-    assert_trees_close(nnx.state(model), before)
+    assert_close(nnx.state(model), before)
 
 
 def test_nnx_optimizer_step_equals_untagged():
@@ -153,8 +152,8 @@ def test_nnx_optimizer_step_equals_untagged():
         step(model, opt, X)
         stats = step_tagged(tagged, opt_tagged, X)
     assert sorted(stats) == ["", "l1", "l2"]
-    assert_trees_close(nnx.state(tagged), nnx.state(model))
-    assert_trees_close(nnx.state(opt_tagged), nnx.state(opt))
+    assert_close(nnx.state(tagged), nnx.state(model))
+    assert_close(nnx.state(opt_tagged), nnx.state(opt))
 
 
 class Shared(nnx.Module):  # one module called twice: the calls are stacked in call order
@@ -174,7 +173,7 @@ def test_nnx_repeated_calls_stack_against_eps(maybe_jit):
         h = x @ w + b + eps[0]
         return jnp.sum(jnp.sin(jnp.tanh(h) @ w + b + eps[1]) ** 2)
 
-    assert_trees_close(tag_grads["cell"], jax.grad(oracle)(jnp.zeros((2, 5, 3), F64), X))
+    assert_close(tag_grads["cell"], jax.grad(oracle)(jnp.zeros((2, 5, 3), F64), X))
 
 
 def test_nnx_scanned_stack_per_layer_against_eps(maybe_jit):
@@ -186,8 +185,8 @@ def test_nnx_scanned_stack_per_layer_against_eps(maybe_jit):
 
     expected = eps_oracle(oracle, jnp.zeros((2, 4, 5, 3), F64), X)
     assert tag_grads["blocks"].shape == (4, 5, 3)  # one entry per layer
-    assert_trees_close(tag_grads["blocks.lin"], expected[0])
-    assert_trees_close(tag_grads["blocks"], expected[1])
+    assert_close(tag_grads["blocks.lin"], expected[0])
+    assert_close(tag_grads["blocks"], expected[1])
 
 
 def test_nnx_compositions():
@@ -196,14 +195,14 @@ def test_nnx_compositions():
     _, expected = jt.grad(mse)(tagged, X)
     # jax.vmap around: per example
     per_example = jax.vmap(lambda x: jt.grad(mse)(tagged, x)[1]["l1"])(X)
-    assert_trees_close(per_example, expected["l1"])
+    assert_close(per_example, expected["l1"])
     # nnx.vmap around, the model broadcast
     per_example = nnx.vmap(lambda m, x: jt.grad(mse)(m, x)[1]["l1"], in_axes=(None, 0))(tagged, X)
-    assert_trees_close(per_example, expected["l1"])
+    assert_close(per_example, expected["l1"])
     # nnx.grad / nnx.value_and_grad of the tagged model are the untagged model's
-    assert_trees_close(nnx.state(nnx.grad(mse)(tagged, X)), nnx.state(nnx.grad(mse)(model, X)))
+    assert_close(nnx.state(nnx.grad(mse)(tagged, X)), nnx.state(nnx.grad(mse)(model, X)))
     value, _ = nnx.value_and_grad(mse)(tagged, X)
-    assert_trees_close(value, mse(model, X))
+    assert_close(value, mse(model, X))
 
     # jt.grad inside jax.grad: the x-derivative of a function of the tag's gradient, against + eps
     def through_tag(x):
@@ -216,19 +215,19 @@ def test_nnx_compositions():
         return jnp.sum(jnp.sin(jnp.tanh(x @ w1 + b1 + eps) @ w2 + b2) ** 2)
 
     oracle = lambda x: jnp.sum(jax.grad(eps_loss)(jnp.zeros((5, 4), F64), x) ** 2)  # noqa: E731
-    assert_trees_close(jax.grad(through_tag)(X), jax.grad(oracle)(X))
+    assert_close(jax.grad(through_tag)(X), jax.grad(oracle)(X))
 
     # jax.checkpoint inside the loss, jax.jvp around jt.grad, jt.capture around jt.grad: all against + eps
     zeros = jnp.zeros((5, 4), F64)
     remat_loss = lambda m, x: jnp.sum(jnp.sin(jax.checkpoint(lambda x: m(x))(x)) ** 2)  # noqa: E731
-    assert_trees_close(jt.grad(remat_loss)(tagged, X)[1]["l1"], jax.grad(eps_loss)(zeros, X))
+    assert_close(jt.grad(remat_loss)(tagged, X)[1]["l1"], jax.grad(eps_loss)(zeros, X))
     tangent = jnp.cos(X)
     got = jax.jvp(lambda x: jt.grad(mse)(tagged, x)[1]["l1"], (X,), (tangent,))
     want = jax.jvp(lambda x: jax.grad(eps_loss)(zeros, x), (X,), (tangent,))
-    assert_trees_close(got, want)
+    assert_close(got, want)
     grads_at_l1, values = jt.capture(lambda x: jt.grad(mse)(tagged, x)[1]["l1"])(X)
-    assert_trees_close(grads_at_l1, jax.grad(eps_loss)(zeros, X))
-    assert_trees_close(values["l1"], X @ w1 + b1)  # the outer capture sees the inner split's tag
+    assert_close(grads_at_l1, jax.grad(eps_loss)(zeros, X))
+    assert_close(values["l1"], X @ w1 + b1)  # the outer capture sees the inner split's tag
 
 
 def test_nnx_import_is_lazy():
@@ -269,9 +268,9 @@ def test_flax_grad_on_a_stateful_model_equals_nnx_grad(jit):
     for _ in range(2):  # the second call sees the first one's RNG count and statistics
         value, (grads, tag_grads) = ours(tagged, X)
         expected_value, expected = theirs(model, X)
-        assert_trees_close(value, expected_value)
-        assert_trees_close(grads, expected)
-        assert_trees_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)))
+        assert_close(value, expected_value)
+        assert_close(grads, expected)
+        assert_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)))
     assert tag_grads["dense"].shape == tag_grads["norm"].shape == (5, 4)
     grad_and_aux = jaxtrace.flax.grad(lambda m, x: (mse(m, x), 7), has_aux=True)(tagged, X)
     assert grad_and_aux[1] == 7 and sorted(grad_and_aux[0][1]) == ["dense", "norm"]
@@ -309,8 +308,8 @@ def test_flax_jacrev_against_eps(jit):
     if jit:
         full, table_fun = nnx.jit(full), nnx.jit(table_fun)
     jac, tag_jacs = full(tagged, X)
-    assert_trees_close(tag_jacs, {name: {term: expected[term][name] for term in expected} for name in eps0})
-    assert_trees_close(jax.tree_util.tree_leaves(jac), jax.tree_util.tree_leaves(expected_jac))
+    assert_close(tag_jacs, {name: {term: expected[term][name] for term in expected} for name in eps0})
+    assert_close(jax.tree_util.tree_leaves(jac), jax.tree_util.tree_leaves(expected_jac))
     assert np.any(tag_jacs["l1"]["aux"]) and not np.any(tag_jacs["l2"]["aux"])
     _, table = table_fun(tagged, X)
     assert list(table) == ["l1", "l2"] and all(list(per_term) == ["main", "aux"] for per_term in table.values())
@@ -344,7 +343,7 @@ def test_flax_jacrev_writes_state_back_and_has_aux():
     (_, tag_jacs), aux = jaxtrace.flax.jacrev(lambda m, x: ({"a": mse(m, x)}, 3), has_aux=True)(tagged, X)
     nnx.grad(mse)(model, X)  # the same call through nnx: the same RNG count and batch statistics after it
     assert aux == 3 and tag_jacs["dense"]["a"].shape == (5, 4)
-    assert_trees_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)))
+    assert_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)))
     with pytest.raises(TypeError, match="jaxtrace.flax.jacrev take an nnx.Module"):
         jaxtrace.flax.jacrev(mse)({"w": X}, X)
 
@@ -434,8 +433,8 @@ def test_linen_mlp_against_perturb(maybe_jit):
         return jnp.sum(jnp.sin(oracle.apply(variables, x)) ** 2)
 
     expected = jax.grad(oracle_loss)(variables, X)
-    assert_trees_close(tag_grads, {"hidden": expected["perturbations"]["p_hidden"], "out": expected["perturbations"]["p_out"]})
-    assert_trees_close(grads, {"params": expected["params"]})
+    assert_close(tag_grads, {"hidden": expected["perturbations"]["p_hidden"], "out": expected["perturbations"]["p_out"]})
+    assert_close(grads, {"params": expected["params"]})
 
 
 class Cell(nn.Module):
@@ -475,7 +474,7 @@ def test_linen_scan_rnn_per_step_against_perturb(maybe_jit):
         _, tag_grads = maybe_jit(jt.grad(loss))({"params": variables["params"]}, xs)
     expected = jax.grad(lambda v: jnp.sum(oracle.apply(v, xs) ** 2))(variables)
     assert tag_grads["cell/ih"].shape == (6, 3)  # per step
-    assert_trees_close(tag_grads["cell/ih"], expected["perturbations"]["cell"]["p_ih"])
+    assert_close(tag_grads["cell/ih"], expected["perturbations"]["cell"]["p_ih"])
     assert sorted(tag_grads) == ["", "Dense_0", "cell", "cell/hh", "cell/ih"]
     assert tag_grads["cell"][0].shape == tag_grads["cell"][1].shape == (6, 3)  # (carry, y) per step
 
@@ -521,7 +520,7 @@ def test_linen_vmap_remat_jit_per_example_against_perturb(maybe_jit):
     with jaxtrace.flax.tag_modules(["per_example/dense"]):
         _, tag_grads = maybe_jit(jt.grad(loss))(params, X)
     expected = jax.grad(lambda v: jnp.sum(jnp.sin(oracle.apply(v, X)) ** 2))(variables)
-    assert_trees_close(tag_grads["per_example/dense"], expected["perturbations"]["per_example"]["p_dense"])
+    assert_close(tag_grads["per_example/dense"], expected["perturbations"]["per_example"]["p_dense"])
 
 
 def test_linen_batch_size_free_and_shared_module():

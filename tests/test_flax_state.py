@@ -24,7 +24,7 @@ from flax import nnx  # noqa: E402
 import jaxtrace as jt  # noqa: E402
 import jaxtrace.flax  # noqa: E402
 
-from conftest import assert_trees_close  # noqa: E402
+from oracles import assert_close  # noqa: E402
 
 F64 = jnp.float64
 
@@ -40,7 +40,7 @@ def _plain(tree):  # PRNG keys as their bits, so that states compare as arrays
 
 
 def _same_state(ours, theirs):
-    assert_trees_close(_plain(nnx.state(ours)), _plain(nnx.state(theirs)))
+    assert_close(_plain(nnx.state(ours)), _plain(nnx.state(theirs)))
 
 
 def _jit(jit: bool):
@@ -113,15 +113,15 @@ def test_mnist_train_step_with_an_rngs_argument_equals_nnx(jit):
         batch = _batch(step)
         loss, logits, grads = nnx_step(model, *theirs, batch)
         our_loss, our_logits, our_grads, tag_grads = our_step(tagged, *ours, batch)
-        assert_trees_close((our_loss, our_logits, our_grads), (loss, logits, grads))
+        assert_close((our_loss, our_logits, our_grads), (loss, logits, grads))
         # parameters after the update, batch statistics; a bias before BatchNorm has a zero gradient up to
         # rounding, which Adam scales up to its step size: 1e-11 apart
-        assert_trees_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)), rtol=1e-9, atol=1e-9)
+        assert_close(_plain(nnx.state(tagged)), _plain(nnx.state(model)), rtol=1e-9, atol=1e-9)
         _same_state(ours[2], theirs[2])  # the Rngs count, advanced once per dropout call
-        assert_trees_close(ours[1].compute(), theirs[1].compute())
+        assert_close(ours[1].compute(), theirs[1].compute())
         # d loss / d logits of a mean cross-entropy: (softmax - one_hot) / batch
         expected = (jax.nn.softmax(logits) - jax.nn.one_hot(batch["label"], 10, dtype=F64)) / 6
-        assert_trees_close(tag_grads["linear2"], expected)
+        assert_close(tag_grads["linear2"], expected)
     assert int(ours[2].default.count[...]) == 6  # two dropout calls a step
 
 
@@ -154,8 +154,8 @@ def test_capture_in_training_mode_leaves_the_state_of_a_plain_call(jit):
         expected_h = model.dense(X)
         expected = model(X)
         out, values = capture(tagged, X)
-        assert_trees_close(out, expected)
-        assert_trees_close(values["dense"], expected_h)
+        assert_close(out, expected)
+        assert_close(values["dense"], expected_h)
         _same_state(tagged, model)
     # A model the function closes over cannot change inside jaxtrace's trace: Flax's error, and the fix.
     with pytest.raises(Exception, match="Cannot mutate") as error:
@@ -187,13 +187,13 @@ def test_capture_inside_flax_jacrev_and_grad_in_training_mode(jit):
         expected = {t: nnx.grad(lambda m, x: plain_losses(m, x)[t])(nnx.clone(model), X) for t in ("main", "aux")}
         jac, tag_jacs = jacrev(tagged, X)
         plain_losses(model, X)  # the state one plain call leaves
-        assert_trees_close(jac, expected)
-        assert_trees_close(tag_jacs["dense"]["aux"], 0.2 * model.dense(X) / 20)  # d mean(h**2)/dh, before the call
+        assert_close(jac, expected)
+        assert_close(tag_jacs["dense"]["aux"], 0.2 * model.dense(X) / 20)  # d mean(h**2)/dh, before the call
         _same_state(tagged, model)
         expected_main = nnx.grad(lambda m, x: plain_losses(m, x)["main"])(nnx.clone(model), X)
         grads, _ = grad(tagged, X)
         plain_losses(model, X)
-        assert_trees_close(grads, expected_main)
+        assert_close(grads, expected_main)
         _same_state(tagged, model)
 
 
@@ -302,7 +302,7 @@ def test_every_transform_advances_an_rngs_argument_as_a_plain_call(name, jit):
         else:
             expected = loss(model, X, before)
         loss(model, X, rngs)  # the plain call
-        assert_trees_close(got, expected)
+        assert_close(got, expected)
         _same_state(ours, rngs)
         _same_state(tagged, model)
 
@@ -321,13 +321,13 @@ def test_per_example_transforms_with_an_rngs_argument(jit):
         sq = [sum(jnp.sum(g**2) for g in jax.tree_util.tree_leaves(gi)) for gi in per_example]
         value, got = transform(model, X, ours)
         expected_losses = losses(model, X, rngs)
-        assert_trees_close(value, expected_losses)
+        assert_close(value, expected_losses)
         if transform is norms:
             expected = jax.tree_util.tree_map(lambda *g: jnp.stack([jnp.sum(gi**2) for gi in g]), *per_example)
         else:
             weights = [jnp.minimum(1.0, 1.0 / jnp.sqrt(s)) for s in sq]
             expected = jax.tree_util.tree_map(lambda *g: sum(w * gi for w, gi in zip(weights, g)), *per_example)
-        assert_trees_close(got, expected, rtol=1e-10, atol=1e-12)
+        assert_close(got, expected, rtol=1e-10, atol=1e-12)
         _same_state(ours, rngs)
 
 

@@ -3,8 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_trees_close
-from oracles import eps_oracle, plus_eps
+from oracles import assert_close, eps_oracle, plus_eps
 
 import jaxtrace as jt
 
@@ -36,16 +35,16 @@ def mlp_oracle():
 def test_grad_matches_oracle(maybe_jit):
     grads, tag_grads = maybe_jit(jt.grad(tagged))(PARAMS, X)
     expected_grads, expected_tags = mlp_oracle()
-    assert_trees_close(grads, expected_grads)
-    assert_trees_close(tag_grads, expected_tags)
-    assert_trees_close(grads, jax.grad(tagged)(PARAMS, X))
+    assert_close(grads, expected_grads)
+    assert_close(tag_grads, expected_tags)
+    assert_close(grads, jax.grad(tagged)(PARAMS, X))
 
 
 def test_value_and_grad(maybe_jit):
     value, (grads, tag_grads) = maybe_jit(jt.value_and_grad(tagged))(PARAMS, X)
-    assert_trees_close(value, tagged(PARAMS, X))
+    assert_close(value, tagged(PARAMS, X))
     _, expected_tags = mlp_oracle()
-    assert_trees_close(tag_grads, expected_tags)
+    assert_close(tag_grads, expected_tags)
 
 
 def test_tag_gradient_closed_form(maybe_jit):
@@ -55,7 +54,7 @@ def test_tag_gradient_closed_form(maybe_jit):
 
     x = jnp.linspace(0.1, 1.0, 4)
     _, tag_grads = maybe_jit(jt.grad(f))(x)
-    assert_trees_close(tag_grads["h"], jnp.cos(x**2))
+    assert_close(tag_grads["h"], jnp.cos(x**2))
 
 
 def test_argnums_tuple_and_has_aux(maybe_jit):
@@ -66,11 +65,11 @@ def test_argnums_tuple_and_has_aux(maybe_jit):
     (grads, tag_grads), aux = maybe_jit(jt.grad(f, argnums=(0, 1), has_aux=True))(PARAMS, X)
     expected = jax.grad(f, argnums=(0, 1), has_aux=True)(PARAMS, X)[0]
     assert isinstance(grads, tuple) and len(grads) == 2
-    assert_trees_close(grads, expected)
-    assert_trees_close(aux["loss"], tagged(PARAMS, X))
+    assert_close(grads, expected)
+    assert_close(aux["loss"], tagged(PARAMS, X))
     (value, aux2), (_, tag_grads2) = maybe_jit(jt.value_and_grad(f, has_aux=True))(PARAMS, X)
-    assert_trees_close(tag_grads2, tag_grads)
-    assert_trees_close(value, aux2["loss"])
+    assert_close(tag_grads2, tag_grads)
+    assert_close(value, aux2["loss"])
 
 
 def test_argnums_nondiff_args_stay_static():
@@ -80,7 +79,7 @@ def test_argnums_nondiff_args_stay_static():
         return jnp.sum(x)
 
     grads, tag_grads = jt.grad(f)(jnp.ones(3), 2, scale=2.0)
-    assert_trees_close(grads, jax.grad(f)(jnp.ones(3), 2, scale=2.0))
+    assert_close(grads, jax.grad(f)(jnp.ones(3), 2, scale=2.0))
     assert tag_grads["s"].shape == (2, 3)
 
 
@@ -93,7 +92,7 @@ def test_pytree_tag_keeps_structure_and_dtype(maybe_jit):
     _, tag_grads = maybe_jit(jt.grad(lambda x: f(x, jt.tag)))(x)
     eps = {"a": jnp.zeros(3), "b": jnp.zeros(3, jnp.float32)}
     expected = eps_oracle(lambda e: f(x, lambda v, n: jax.tree.map(jnp.add, v, e)), eps)  # a pytree tag: + eps leaf by leaf
-    assert_trees_close(tag_grads["pair"], expected, rtol=1e-6)
+    assert_close(tag_grads["pair"], expected, rtol=1e-6)
     assert tag_grads["pair"]["b"].dtype == jnp.float32
 
 
@@ -103,7 +102,7 @@ def test_unused_tag_gives_zeros(maybe_jit):
         return jnp.sum(x)
 
     _, tag_grads = maybe_jit(jt.grad(f))(jnp.ones(2))
-    assert_trees_close(tag_grads["unused"], jnp.zeros(2))
+    assert_close(tag_grads["unused"], jnp.zeros(2))
 
 
 def test_tags_selection(maybe_jit):
@@ -113,7 +112,7 @@ def test_tags_selection(maybe_jit):
     assert set(maybe_jit(jt.grad(tagged, tags=lambda n: n.startswith("p")))(PARAMS, X)[1]) == {"pre"}
     assert set(maybe_jit(jt.grad(tagged, tags=()))(PARAMS, X)[1]) == set()
     _, expected_tags = mlp_oracle()
-    assert_trees_close(f(PARAMS, X)[1]["act"], expected_tags["act"])
+    assert_close(f(PARAMS, X)[1]["act"], expected_tags["act"])
 
 
 def test_unknown_tag_name_lists_existing():
@@ -128,15 +127,15 @@ def test_vjp_non_scalar_and_vmapped_pullback(maybe_jit):
 
     x = jnp.linspace(0.1, 0.5, 3)
     out, vjp_fn = jt.vjp(f, x)
-    assert_trees_close(out, f(x))
+    assert_close(out, f(x))
     (x_ct,), tag_cts = maybe_jit(vjp_fn)(jnp.array([1.0, 0.0]))
     h = jnp.sin(x) * 2.0
-    assert_trees_close(tag_cts["h"], 2 * h)
-    assert_trees_close(x_ct, 2 * h * 2 * jnp.cos(x))
+    assert_close(tag_cts["h"], 2 * h)
+    assert_close(x_ct, 2 * h * 2 * jnp.cos(x))
     # Rows of the Jacobian at the tag, one per output.
     (x_rows,), tag_rows = jax.vmap(vjp_fn)(jnp.eye(2))
-    assert_trees_close(tag_rows["h"], jnp.stack([2 * h, jnp.ones(3)]))
-    assert_trees_close(x_rows, jax.jacrev(f)(x))
+    assert_close(tag_rows["h"], jnp.stack([2 * h, jnp.ones(3)]))
+    assert_close(x_rows, jax.jacrev(f)(x))
 
 
 def test_vjp_has_aux_and_multiple_primals():
@@ -146,7 +145,7 @@ def test_vjp_has_aux_and_multiple_primals():
 
     out, vjp_fn, aux = jt.vjp(f, 2.0, 3.0, has_aux=True)
     (ga, gb), tag_cts = vjp_fn(1.0)
-    assert_trees_close((ga, gb, tag_cts["h"], aux["h"]), (36.0, 24.0, 12.0, 6.0))
+    assert_close((ga, gb, tag_cts["h"], aux["h"]), (36.0, 24.0, 12.0, 6.0))
 
 
 def test_vjp_fn_crosses_jit_boundary():
@@ -155,7 +154,7 @@ def test_vjp_fn_crosses_jit_boundary():
 
     _, vjp_fn = jt.vjp(f, jnp.ones(2))
     (x_ct,), tag_cts = jax.jit(lambda fn, ct: fn(ct))(vjp_fn, 1.0)
-    assert_trees_close(tag_cts["h"], 2 * jnp.ones(2))
+    assert_close(tag_cts["h"], 2 * jnp.ones(2))
 
 
 def test_integer_tag_gives_float0_zeros(maybe_jit):
@@ -166,7 +165,7 @@ def test_integer_tag_gives_float0_zeros(maybe_jit):
     grads, tag_grads = maybe_jit(jt.grad(f))(jnp.ones(3))
     assert tag_grads["index"].dtype == jax.dtypes.float0
     assert tag_grads["index"].shape == (3,)
-    assert_trees_close(grads, jnp.arange(3.0))
+    assert_close(grads, jnp.arange(3.0))
 
 
 def test_stop_gradient_gives_zeros(maybe_jit):
@@ -175,7 +174,7 @@ def test_stop_gradient_gives_zeros(maybe_jit):
         return jnp.sum(jax.lax.stop_gradient(h) * x)
 
     _, tag_grads = maybe_jit(jt.grad(f))(jnp.ones(2))
-    assert_trees_close(tag_grads["h"], jnp.zeros(2))
+    assert_close(tag_grads["h"], jnp.zeros(2))
 
 
 def test_non_scalar_output_errors_like_jax_grad():

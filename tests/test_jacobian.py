@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close
+from oracles import assert_close
 from jax import export, lax
 
 import jaxtrace as jt
@@ -24,9 +24,9 @@ def losses(w, x, eps=None):
 
 def test_matches_the_oracle_and_jax_jacrev(maybe_jit):
     jac, tag_jacs = maybe_jit(jt.jacrev(losses))(W, X)
-    assert_trees_close(jac, jax.jacrev(losses)(W, X))
+    assert_close(jac, jax.jacrev(losses)(W, X))
     want = jax.jacrev(losses, argnums=2)(W, X, jnp.zeros(3))
-    assert_trees_close(tag_jacs["h"], want)
+    assert_close(tag_jacs["h"], want)
     assert tag_jacs["h"]["aux"].shape == (2, 3)
     assert not np.any(tag_jacs["h"]["cut"])  # the stop_gradient term never reaches h
 
@@ -37,10 +37,10 @@ def test_argnums_tuple_has_aux_and_with_values(maybe_jit):
         return out, {"mean": jnp.mean(x)}
 
     (jac, tag_jacs), aux, values = maybe_jit(jt.jacrev(f, argnums=(0, 1), has_aux=True, with_values=True))(W, X)
-    assert_trees_close(aux, {"mean": jnp.mean(X)})
-    assert_trees_close(jac, jax.jacrev(losses, argnums=(0, 1))(W, X))
-    assert_trees_close(values["h"], jnp.tanh(W @ X))
-    assert_trees_close(tag_jacs["h"]["ce"], 2 * jnp.tanh(W @ X))
+    assert_close(aux, {"mean": jnp.mean(X)})
+    assert_close(jac, jax.jacrev(losses, argnums=(0, 1))(W, X))
+    assert_close(values["h"], jnp.tanh(W @ X))
+    assert_close(tag_jacs["h"]["ce"], 2 * jnp.tanh(W @ X))
 
 
 def test_loops_and_vmap_inside_keep_the_layout(maybe_jit):
@@ -60,15 +60,15 @@ def test_loops_and_vmap_inside_keep_the_layout(maybe_jit):
 
     _, tag_jacs = maybe_jit(jt.jacrev(f))(W, XS)
     assert tag_jacs["c"].shape == (2, 4, 3) and tag_jacs["v"].shape == (2, 4, 3)
-    assert_trees_close(tag_jacs["c"], jax.jacrev(f, argnums=2)(W, XS, jnp.zeros((4, 3))))
-    assert_trees_close(tag_jacs["v"][1], 2 * jnp.sin(XS))
+    assert_close(tag_jacs["c"], jax.jacrev(f, argnums=2)(W, XS, jnp.zeros((4, 3))))
+    assert_close(tag_jacs["v"][1], 2 * jnp.sin(XS))
     assert not np.any(tag_jacs["v"][0])
 
 
 def test_vmap_around_gives_per_example_jacobians():
     _, tag_jacs = jax.vmap(jt.jacrev(losses), in_axes=(None, 0))(W, XS)
     want = jax.vmap(jax.jacrev(losses, argnums=2), in_axes=(None, 0, None))(W, XS, jnp.zeros(3))
-    assert_trees_close(tag_jacs["h"], want)
+    assert_close(tag_jacs["h"], want)
 
 
 def test_pytree_and_integer_tags():
@@ -78,8 +78,8 @@ def test_pytree_and_integer_tags():
         return jnp.stack([jnp.sum(pair["a"]), jnp.sum(pair["b"] * k)])
 
     _, tag_jacs = jt.jacrev(f)(X)
-    assert_trees_close(tag_jacs["pair"]["a"], jnp.stack([jnp.ones(3), jnp.zeros(3)]))
-    assert_trees_close(tag_jacs["pair"]["b"], jnp.stack([jnp.zeros(2), jnp.arange(2.0)]))
+    assert_close(tag_jacs["pair"]["a"], jnp.stack([jnp.ones(3), jnp.zeros(3)]))
+    assert_close(tag_jacs["pair"]["b"], jnp.stack([jnp.zeros(2), jnp.arange(2.0)]))
     assert tag_jacs["int"].shape == (2, 2) and tag_jacs["int"].dtype == jax.dtypes.float0
 
 
@@ -105,8 +105,8 @@ def test_matrix_output_cond_not_taken_and_checkpoint(maybe_jit):
     _, tag_jacs = maybe_jit(jt.jacrev(f))(W, X)
     want = jax.jacrev(f, argnums=2)(W, X, e0)
     assert tag_jacs["remat"].shape == (3, 3, 3)
-    assert_trees_close(tag_jacs["remat"], want[..., 0, :])
-    assert_trees_close(tag_jacs["never"], jnp.zeros((3, 3, 3)))  # the branch not taken: zeros
+    assert_close(tag_jacs["remat"], want[..., 0, :])
+    assert_close(tag_jacs["never"], jnp.zeros((3, 3, 3)))  # the branch not taken: zeros
 
 
 @pytest.mark.long_eager
@@ -116,10 +116,10 @@ def test_transforms_around_jacrev(maybe_jit):
     oracle = lambda w: sum(  # noqa: E731
         jnp.sum(v**2) for v in jax.tree_util.tree_leaves(jax.jacrev(losses, argnums=2)(w, X, jnp.zeros(3)))
     )
-    assert_trees_close(maybe_jit(jax.grad(penalty))(W), jax.grad(oracle)(W), rtol=1e-10)
+    assert_close(maybe_jit(jax.grad(penalty))(W), jax.grad(oracle)(W), rtol=1e-10)
     # capture around it still sees the tag (a split leaves its tags in place).
     _, values = maybe_jit(jt.capture(lambda w: jt.jacrev(losses)(w, X)))(W)
-    assert_trees_close(values["h"], jnp.tanh(W @ X))
+    assert_close(values["h"], jnp.tanh(W @ X))
 
 
 def mixed_outputs(x, eps=None):
@@ -138,10 +138,10 @@ def test_mixed_precision_and_empty_outputs_as_jax_jacrev(maybe_jit):
     x = jnp.array([0.5, -1.0])
     jac, tag_jacs = maybe_jit(jt.jacrev(mixed_outputs))(x)
     want = jax.jacrev(mixed_outputs)(x)
-    assert_trees_close(jac, want, rtol=1e-2, atol=1e-2)  # bf16 rows
+    assert_close(jac, want, rtol=1e-2, atol=1e-2)  # bf16 rows
     assert jax.tree.map(lambda a: (a.shape, a.dtype), jac) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
     want_tag = jax.jacrev(mixed_outputs, argnums=1)(x, jnp.zeros(2))
-    assert_trees_close(tag_jacs["t"], want_tag, rtol=1e-2, atol=1e-2)
+    assert_close(tag_jacs["t"], want_tag, rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(tag_jacs["t"]["f64"], want_tag["f64"], rtol=1e-14)
     assert tag_jacs["t"]["empty"].shape == (0, 2, 2)
 
@@ -153,4 +153,4 @@ def test_jacrev_exports_with_a_symbolic_output_size():
     (b,) = export.symbolic_shape("b")
     exported = export.export(jax.jit(jt.jacrev(f)))(jax.ShapeDtypeStruct((b, 3), jnp.float64))
     xs = jnp.arange(6.0).reshape(2, 3) / 5
-    assert_trees_close(exported.call(xs), jt.jacrev(f)(xs))
+    assert_close(exported.call(xs), jt.jacrev(f)(xs))

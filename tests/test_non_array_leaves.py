@@ -12,8 +12,7 @@ import pytest
 
 import jaxtrace as jt
 
-from conftest import assert_trees_close
-from oracles import eps_oracle, zeros_like
+from oracles import assert_close, eps_oracle, zeros_like
 
 F64 = jnp.float64
 X = jnp.linspace(-1.0, 1.0, 12, dtype=F64).reshape(4, 3)
@@ -76,16 +75,18 @@ def test_filter_value_and_grad_with_values_against_eps(wrap):
     (expected_value, expected_values), expected = eps_oracle(
         lambda e: lambda_oracle(model, e, X), eps, value=True, has_aux=True
     )
-    assert_trees_close(value, expected_value)
-    assert_trees_close(tag_grads, expected)
-    assert_trees_close(tag_values, expected_values)
+    assert_close(value, expected_value)
+    assert_close(tag_grads, expected)
+    assert_close(tag_values, expected_values)
     assert grads.layers[1].fn is None  # a Lambda has no gradient, as eqx.filter_grad gives it
     # filter_grad: (grads, tag_grads, tag_values); has_aux: ((grads, tag_grads), aux, tag_values)
     g, tg, tv = jt.filter_grad(lambda_loss, with_values=True)(model, X)
-    assert_trees_close(tg, expected) and assert_trees_close(tv, expected_values)
+    assert_close(tg, expected)
+    assert_close(tv, expected_values)
     (g2, tg2), aux, tv2 = jt.filter_grad(lambda m, x: (lambda_loss(m, x), "aux"), has_aux=True, with_values=True)(model, X)
     assert aux == "aux"
-    assert_trees_close(tg2, expected) and assert_trees_close(tv2, expected_values)
+    assert_close(tg2, expected)
+    assert_close(tv2, expected_values)
     # without with_values nothing changes
     assert len(jt.filter_grad(lambda_loss)(model, X)) == 2
     value_only = jt.filter_value_and_grad(lambda_loss)(model, X)
@@ -101,8 +102,8 @@ def test_filter_value_and_grad_with_values_under_vmap():
     value, (_, tag_grads), tag_values = jax.vmap(one)(X)
     eps = _eps(model)
     expected = eps_oracle(lambda e: lambda_oracle(model, e, X)[0], eps)
-    assert_trees_close(tag_grads["1"], expected["1"])
-    assert_trees_close(tag_values["1"], jnp.tanh(jax.vmap(model.layers[0])(X)))
+    assert_close(tag_grads["1"], expected["1"])
+    assert_close(tag_values["1"], jnp.tanh(jax.vmap(model.layers[0])(X)))
 
 
 # --- a Python number in a model stays a Python number (eqx.nn.Dropout(0.0), as in eqx.nn.MultiheadAttention) ---
@@ -141,23 +142,23 @@ def test_a_python_number_in_a_model_stays_one_in_every_entry_point(wrap):
     assert float(report.value) == pytest.approx(float(loss), rel=1e-12)
     assert report.first_value is None and report.first_gradient is None and report.params == []
     assert report.names == ["0", "1", ""]
-    assert_trees_close({k: v for k, v in wrap(jt.capture(dropout_loss))(model, X)[1].items() if k != ""}, values)
-    assert_trees_close(wrap(jt.patch(dropout_loss, {"1": lambda v: v}))(model, X), loss)
-    assert_trees_close(wrap(jt.patch_grad(dropout_loss, {"1": lambda g: g}))(model, X), loss)
+    assert_close({k: v for k, v in wrap(jt.capture(dropout_loss))(model, X)[1].items() if k != ""}, values)
+    assert_close(wrap(jt.patch(dropout_loss, {"1": lambda v: v}))(model, X), loss)
+    assert_close(wrap(jt.patch_grad(dropout_loss, {"1": lambda g: g}))(model, X), loss)
     value, (g, tg) = wrap(jt.filter_value_and_grad(dropout_loss, tags=["0", "1"]))(model, X)
     linear, want = g.layers[0], grads.layers[0]
-    assert_trees_close((value, linear.weight, linear.bias, tg), (loss, want.weight, want.bias, tag_grads))
+    assert_close((value, linear.weight, linear.bias, tg), (loss, want.weight, want.bias, tag_grads))
     assert g.layers[1].p is None  # the Python float is not differentiated, as eqx.filter_grad gives it
     _, (_, stats) = wrap(jt.filter_value_and_grad(dropout_loss, tags=["0", "1"], stats=True))(model, X)
-    assert_trees_close(stats["1"]["norm"], jnp.linalg.norm(tag_grads["1"]))
+    assert_close(stats["1"]["norm"], jnp.linalg.norm(tag_grads["1"]))
     jac, _ = wrap(jt.filter_jacrev(dropout_losses, tags=["1"]))(model, X)
     with_weight = lambda w: dropout_losses(eqx.tree_at(lambda m: m.layers[0].weight, plain, w), X)  # noqa: E731
-    assert_trees_close(jac.layers[0].weight, jax.jacrev(with_weight)(plain.layers[0].weight))
+    assert_close(jac.layers[0].weight, jax.jacrev(with_weight)(plain.layers[0].weight))
     per_example_losses, sq_norms = wrap(jt.per_example_norms(dropout_losses, total=True))(plain, X)
     by_example = jax.vmap(lambda x: eqx.filter_grad(lambda m: dropout_losses(m, x[None])[0])(plain))(X)
     leaves = jax.tree_util.tree_leaves(eqx.filter(by_example, eqx.is_inexact_array))
     expected = sum(jnp.sum(leaf.reshape(4, -1) ** 2, axis=1) for leaf in leaves)
-    assert_trees_close((jnp.sum(per_example_losses), sq_norms), (loss, expected))
+    assert_close((jnp.sum(per_example_losses), sq_norms), (loss, expected))
 
 
 def test_find_nonfinite_on_multihead_attention_under_filter_jit():

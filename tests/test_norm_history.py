@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxtrace as jt
-from per_example_oracle import oracle_per_example
+from oracles import assert_close, oracle_per_example
 
 KEY = jax.random.key(0)
 F64 = jnp.float64
@@ -65,16 +65,12 @@ def test_value_grad_and_norms_against_jacrev(maybe_jit):
     ref = oracle_per_example(losses_fn, model, x, y)
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-12)
     mean_grad = jax.tree.map(lambda rows: jnp.mean(rows, axis=0), ref.grads)  # the gradient of the mean loss
-    assert jax.tree.structure(grads) == jax.tree.structure(mean_grad) == jax.tree.structure(sq)
-    for ours, want in zip(jax.tree.leaves(grads), jax.tree.leaves(mean_grad)):
-        assert ours.dtype == F64
-        np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
-    for ours, want in zip(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms)):
-        np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
+    assert all(g.dtype == F64 for g in jax.tree.leaves(grads))
+    assert_close(grads, mean_grad, "the gradient of the mean loss", rtol=1e-10, atol=1e-13)
+    assert_close(sq, ref.sq_norms, "per-leaf squared norms", rtol=1e-10, atol=1e-13)
     # and the gradient is the plain step's
     plain = eqx.filter_grad(lambda m: jnp.mean(losses_fn(m, x, y)))(model)
-    for ours, want in zip(jax.tree.leaves(grads), jax.tree.leaves(plain)):
-        np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
+    assert_close(grads, plain, "the plain step's gradient", rtol=1e-10, atol=1e-13)
 
 
 def test_value_grad_and_norms_has_aux_and_nnx():
@@ -89,10 +85,8 @@ def test_value_grad_and_norms_has_aux_and_nnx():
     (losses, aux), (grads, sq) = jt.value_grad_and_norms(fun, has_aux=True)(model, x)
     ref = oracle_per_example(lambda m, x: fun(m, x)[0], model, x)
     np.testing.assert_allclose(aux, jnp.max(model(x)), rtol=1e-12)
-    for ours, want in zip(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms)):
-        np.testing.assert_allclose(ours, want, rtol=1e-10)
-    for ours, want in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.tree.map(lambda r: r.mean(0), ref.grads))):
-        np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
+    assert_close(sq, ref.sq_norms, "per-leaf squared norms", rtol=1e-10, atol=0)
+    assert_close(grads, jax.tree.map(lambda r: r.mean(0), ref.grads), "the gradient of the mean loss", rtol=1e-10, atol=1e-13)
     history = jt.NormHistory.init(2, losses, sq)
     assert history.names == ("layers.0.bias", "layers.0.kernel", "layers.1.bias", "layers.1.kernel")
 

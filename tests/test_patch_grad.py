@@ -4,7 +4,7 @@ float64, eager and under jit, through the constructs and entry points users comb
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_trees_close
+from oracles import assert_close
 from jax import lax
 
 import jaxtrace as jt
@@ -55,8 +55,8 @@ def test_every_construct_against_custom_vjp(maybe_jit, kind):
     fn = FNS[kind]
     patched = jt.patch_grad(lambda w, xs: model(w, xs, jt.tag), {n: fn for n in NAMES})
     oracle = lambda w, xs: model(w, xs, lambda v, n: hook(fn)(v))  # noqa: E731
-    assert_trees_close(maybe_jit(jax.grad(patched, argnums=(0, 1)))(W, XS), jax.grad(oracle, argnums=(0, 1))(W, XS))
-    assert_trees_close(patched(W, XS), model(W, XS, lambda v, n: v))  # the forward pass is unchanged
+    assert_close(maybe_jit(jax.grad(patched, argnums=(0, 1)))(W, XS), jax.grad(oracle, argnums=(0, 1))(W, XS))
+    assert_close(patched(W, XS), model(W, XS, lambda v, n: v))  # the forward pass is unchanged
 
 
 @pytest.mark.long_eager
@@ -65,19 +65,19 @@ def test_entry_points(maybe_jit):
     patched = jt.patch_grad(lambda w, xs: model(w, xs, jt.tag), {"c": fn, "v": fn})
     oracle = lambda w, xs: model(w, xs, lambda v, n: hook(fn)(v) if n in ("c", "v") else v)  # noqa: E731
     vec = lambda f: (lambda w, xs: jnp.stack([f(w, xs), f(w * 0.5, xs)]))  # noqa: E731
-    assert_trees_close(maybe_jit(jax.jacrev(vec(patched)))(W, XS), jax.jacrev(vec(oracle))(W, XS))
+    assert_close(maybe_jit(jax.jacrev(vec(patched)))(W, XS), jax.jacrev(vec(oracle))(W, XS))
     _, pull = jax.vjp(patched, W, XS)
     _, pull_o = jax.vjp(oracle, W, XS)
-    assert_trees_close(pull(1.0), pull_o(1.0))
+    assert_close(pull(1.0), pull_o(1.0))
     value, (g, tag_grads) = maybe_jit(jt.value_and_grad(patched))(W, XS)
-    assert_trees_close(g, jax.grad(oracle)(W, XS))
+    assert_close(g, jax.grad(oracle)(W, XS))
     # jt.grad reports, at a patched tag, the cotangent that arrives there (before fn).
     plain = jt.grad(lambda w, xs: model(w, xs, jt.tag))(W, XS)[1]
-    assert_trees_close(tag_grads["r"], plain["r"])
+    assert_close(tag_grads["r"], plain["r"])
     # Per-example vmap around: fn sees one example's cotangent.
     one = lambda w, x: patched(w, x[None])  # noqa: E731
     one_o = lambda w, x: oracle(w, x[None])  # noqa: E731
-    assert_trees_close(jax.vmap(jax.grad(one), (None, 0))(W, XS), jax.vmap(jax.grad(one_o), (None, 0))(W, XS))
+    assert_close(jax.vmap(jax.grad(one), (None, 0))(W, XS), jax.vmap(jax.grad(one_o), (None, 0))(W, XS))
 
 
 def test_repeated_pytree_with_values_and_second_order(maybe_jit):
@@ -102,16 +102,16 @@ def test_repeated_pytree_with_values_and_second_order(maybe_jit):
         lambda w, x: f(w, x, lambda v, n: jt.tag(v, n, repeated=True)), {"block": fn}, with_values=True
     )
     oracle = lambda w, x: f(w, x, oracle_mark)  # noqa: E731
-    assert_trees_close(maybe_jit(jax.grad(patched))(W, X), jax.grad(oracle)(W, X))
+    assert_close(maybe_jit(jax.grad(patched))(W, X), jax.grad(oracle)(W, X))
     # Second order: the gradient of a norm of the patched gradient.
     norm = lambda g: lambda w, x: jnp.sum(jax.grad(g)(w, x) ** 2)  # noqa: E731
-    assert_trees_close(maybe_jit(jax.grad(norm(patched)))(W, X), jax.grad(norm(oracle))(W, X), rtol=1e-10)
+    assert_close(maybe_jit(jax.grad(norm(patched)))(W, X), jax.grad(norm(oracle))(W, X), rtol=1e-10)
 
 
 def test_forward_mode_sees_unchanged_tangents_and_patch_composes():
     f = lambda w, x: model(w, x, jt.tag)  # noqa: E731
     patched = jt.patch_grad(f, {"c": FNS["reverse"]})
-    assert_trees_close(jax.jvp(patched, (W, XS), (W, XS)), jax.jvp(f, (W, XS), (W, XS)))
+    assert_close(jax.jvp(patched, (W, XS), (W, XS)), jax.jvp(f, (W, XS), (W, XS)))
     # With jt.patch in either order: the value is replaced, the gradient hook still applies.
     both = [
         jt.patch(jt.patch_grad(f, {"r": FNS["double"]}), {"r": lambda v: v * 0.5}),
@@ -119,7 +119,7 @@ def test_forward_mode_sees_unchanged_tangents_and_patch_composes():
     ]
     oracle = lambda w, xs: model(w, xs, lambda v, n: hook(FNS["double"])(v) * 0.5 if n == "r" else v)  # noqa: E731
     for g in both:
-        assert_trees_close(jax.grad(g)(W, XS), jax.grad(oracle)(W, XS))
+        assert_close(jax.grad(g)(W, XS), jax.grad(oracle)(W, XS))
 
 
 def test_errors():
@@ -170,7 +170,7 @@ def test_equinox_models_tagged_by_tag_modules(jit):
         maybe_jit(eqx.filter_grad(patched))(tagged, XS),
         maybe_jit(jt.filter_grad(patched))(tagged, XS)[0],
     ):
-        assert_trees_close(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+        assert_close(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
 
 
 def test_nested_jit_fori_loop_and_lax_map(maybe_jit):
@@ -184,7 +184,7 @@ def test_nested_jit_fori_loop_and_lax_map(maybe_jit):
 
     patched = jt.patch_grad(lambda w, xs: f(w, xs, jt.tag), {"j": fn, "f": fn})
     oracle = lambda w, xs: f(w, xs, lambda v, n: hook(fn)(v))  # noqa: E731
-    assert_trees_close(maybe_jit(jax.grad(patched))(W, XS), jax.grad(oracle)(W, XS))
+    assert_close(maybe_jit(jax.grad(patched))(W, XS), jax.grad(oracle)(W, XS))
 
 
 def test_checkpoint_around_and_other_transforms_around_patch_grad(maybe_jit):
@@ -193,11 +193,11 @@ def test_checkpoint_around_and_other_transforms_around_patch_grad(maybe_jit):
     patched = jt.patch_grad(f, {"c": fn, "r": fn})
     oracle = lambda w, xs: model(w, xs, lambda v, n: hook(fn)(v) if n in ("c", "r") else v)  # noqa: E731
     want = jax.grad(oracle)(W, XS)
-    assert_trees_close(maybe_jit(jax.grad(jax.checkpoint(patched)))(W, XS), want)
+    assert_close(maybe_jit(jax.grad(jax.checkpoint(patched)))(W, XS), want)
     # capture around it reads the unchanged forward values; jt.grad around reports arriving cotangents.
     _, values = maybe_jit(jt.capture(patched))(W, XS)
     _, plain_values = jt.capture(f)(W, XS)
-    assert_trees_close(values, plain_values)
+    assert_close(values, plain_values)
 
 
 def test_a_pytree_tag_in_a_vmapped_cond(maybe_jit):
@@ -215,7 +215,7 @@ def test_a_pytree_tag_in_a_vmapped_cond(maybe_jit):
     got = maybe_jit(jax.grad(jt.patch_grad(lambda xs: jnp.sum(jax.vmap(g)(xs)), {"pair": neg})))(xs)
     taken = (jnp.sum(xs, axis=1) > 0)[:, None]
     by_hand = -(2 + 3 * jnp.concatenate([jnp.cos(xs[:, :2]), jnp.zeros((3, 1))], axis=1))
-    assert_trees_close(got, jnp.where(taken, by_hand, -jnp.sin(xs)))
+    assert_close(got, jnp.where(taken, by_hand, -jnp.sin(xs)))
 
 
 def test_patch_grad_around_a_function_patch_of_a_pair_tag(maybe_jit):
@@ -241,4 +241,4 @@ def test_patch_grad_around_a_function_patch_of_a_pair_tag(maybe_jit):
 
     neg = lambda g: jax.tree_util.tree_map(jnp.negative, g)  # noqa: E731
     outer = jt.patch_grad(jt.patch(f, {"r": lambda v: 2 * v}), {"r": neg})
-    assert_trees_close(maybe_jit(jax.grad(outer))(X), jax.grad(by_hand)(X))
+    assert_close(maybe_jit(jax.grad(outer))(X), jax.grad(by_hand)(X))

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import jaxtrace as jt
+from oracles import assert_close
 
 torch = pytest.importorskip("torch")
 jtt = pytest.importorskip("jaxtrace.torch")
@@ -229,18 +230,17 @@ def textbook_clipped(per_sample, max_norm):
 
 
 def assert_norms(c, sq_by_name, what):
-    for n in c.names:
-        np.testing.assert_allclose(c.sq[n], np.asarray(sq_by_name[n]), rtol=RTOL, atol=ATOL, err_msg=f"{what}: {n}")
+    want = {n: np.asarray(sq_by_name[n]) for n in c.names}
+    assert_close({n: c.sq[n] for n in c.names}, want, what, rtol=RTOL, atol=ATOL, dtype=False)
 
 
 def assert_clipped(c, grads_by_name, what):
-    for n in c.names:
-        want = np.asarray(grads_by_name[n].detach())
-        np.testing.assert_allclose(c.clipped[n].reshape(want.shape), want, rtol=RTOL, atol=ATOL, err_msg=f"{what}: {n}")
+    want = {n: np.asarray(grads_by_name[n].detach()) for n in c.names}
+    assert_close({n: c.clipped[n].reshape(want[n].shape) for n in c.names}, want, what, rtol=RTOL, atol=ATOL, dtype=False)
 
 
 def assert_losses(c, losses):
-    np.testing.assert_allclose(np.asarray(c.losses), losses.detach().numpy(), rtol=RTOL, atol=ATOL)
+    assert_close(np.asarray(c.losses), losses.detach().numpy(), "losses", rtol=RTOL, atol=ATOL, dtype=False)
 
 
 def params_of(model):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxtrace as jt
-from per_example_oracle import batch_normalised_ste, centred_backward, centred_tangent, clipped_backward
+from oracles import assert_close, batch_normalised_ste, centred_backward, centred_tangent, clipped_backward, oracle_per_example
 
 # Each test runs under jit (always) and without it (jit=False, with --long: the eager passes
 # take 5-35 s each on 2 cores).
@@ -19,29 +19,17 @@ B, T, V, D = 4, 5, 7, 6
 KEYS = jax.random.split(jax.random.key(0), 8)
 
 
-def definition(losses_fn, model, *args, **kwargs):
-    """Per-leaf squared norms and the Jacobian rows, from ``jax.jacrev`` of the losses vector."""
-    diff, static = eqx.partition(model, eqx.is_inexact_array)
-    rows = jax.jacrev(lambda d: losses_fn(eqx.combine(d, static), *args, **kwargs))(diff)
-    sq = jax.tree_util.tree_map(lambda j: jnp.sum(j.reshape(j.shape[0], -1) ** 2, axis=1), rows)
-    return sq, rows
-
-
 def check(losses_fn, model, *args, jit, on_factors=True, max_norm=0.5, **kwargs):
-    sq_ref, rows = definition(losses_fn, model, *args, **kwargs)
-    total = sum(jax.tree_util.tree_leaves(sq_ref))
-    w = jnp.minimum(1.0, max_norm / jnp.sqrt(total))
-    clipped_ref = jax.tree_util.tree_map(lambda j: jnp.tensordot(w, j, 1), rows)
+    """Norms (``fallback="error"`` where ``on_factors``) and the clipped sum against the definition."""
+    ref = oracle_per_example(losses_fn, model, *args, **kwargs)
 
     def ours(*args, **kwargs):  # both in one program under jit: one compilation
         norms = jt.per_example_norms(losses_fn, fallback="error" if on_factors else "vmap")(*args, **kwargs)[1]
         return norms, jt.clipped_grad(losses_fn, max_norm)(*args, **kwargs)[1]
 
     sq, clipped = (eqx.filter_jit(ours) if jit else ours)(model, *args, **kwargs)
-    for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref)):
-        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
-    for a, e in zip(jax.tree_util.tree_leaves(clipped), jax.tree_util.tree_leaves(clipped_ref)):
-        np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+    assert_close(sq, ref.sq_norms, "per-leaf squared norms", rtol=1e-10)
+    assert_close(clipped, ref.clipped(max_norm), "clipped sum", rtol=1e-10)
 
 
 class GPT(eqx.Module):
@@ -324,11 +312,12 @@ def test_has_aux():
         return per, {"mean": jnp.mean(per)}
 
     (value, aux), sq = jt.per_example_norms(losses, has_aux=True, total=True)(MLP, X, Y)
-    ref, _ = definition(lambda m, x, y: losses(m, x, y)[0], MLP, X, Y)
-    np.testing.assert_allclose(sq, sum(jax.tree_util.tree_leaves(ref)), rtol=1e-10)
+    ref = oracle_per_example(lambda m, x, y: losses(m, x, y)[0], MLP, X, Y)
+    assert_close(sq, ref.total, "total squared norms", rtol=1e-10, atol=0)
     np.testing.assert_allclose(aux["mean"], jnp.mean(value), rtol=1e-12)
     (value2, aux2), grads = jt.clipped_grad(losses, 1.0, has_aux=True)(MLP, X, Y)
     np.testing.assert_allclose(value2, value)
+    assert_close(grads, ref.clipped(1.0), "clipped sum", rtol=1e-10)
 
 
 def test_nnx_state_updated_in_the_call_is_written_back():
@@ -566,6 +555,7 @@ import json, os, sys
 import equinox as eqx, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
 import jaxtrace as jt
+from oracles import assert_close, oracle_per_example
 
 jax.config.update("jax_enable_x64", True)
 mesh = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -584,18 +574,12 @@ def passed(model, x, y):  # the model's arrays passed in, replicated
 out = {}
 for name, losses in (("closed", closed), ("passed", passed)):
     try:
-        diff, static = eqx.partition(model, eqx.is_inexact_array)
-        rows = jax.jacrev(lambda d: losses(eqx.combine(d, static), x, y))(diff)
-        sq_ref = [jnp.sum(r.reshape(16, -1) ** 2, axis=1) for r in jax.tree_util.tree_leaves(rows)]
-        w = jnp.minimum(1.0, 0.5 / jnp.sqrt(sum(sq_ref)))
-        clipped_ref = [jnp.tensordot(w, r, 1) for r in jax.tree_util.tree_leaves(rows)]
+        ref = oracle_per_example(losses, model, x, y)
         for wrap in (eqx.filter_jit,):  # eagerly, shard_map runs op by op on each device: 46 of 68 s
             _, sq = wrap(jt.per_example_norms(losses))(model, x, y)
-            for a, e in zip(jax.tree_util.tree_leaves(sq), sq_ref, strict=True):
-                np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+            assert_close(sq, ref.sq_norms, "per-leaf squared norms", rtol=1e-10)
             _, clipped = wrap(jt.clipped_grad(losses, 0.5))(model, x, y)
-            for a, e in zip(jax.tree_util.tree_leaves(clipped), clipped_ref, strict=True):
-                np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12)
+            assert_close(clipped, ref.clipped(0.5), "clipped sum", rtol=1e-10)
         out[name] = "ok"
     except Exception as e:  # noqa: BLE001
         import traceback
@@ -616,7 +600,7 @@ def test_losses_in_shard_map_over_the_batch_are_exact():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.path.join(root, "tests"), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", SHARD_MAP_CHECK], env=env, capture_output=True, text=True, timeout=600)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"

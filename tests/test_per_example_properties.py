@@ -17,7 +17,7 @@ meeting over the example axis, on the inputs or on the outputs (attention with t
 sequence, a sort, a cumulative sum, a gather, a max or log-softmax).
 Every program returns losses of shape ``(B,)``.
 
-The oracle is the definition (``tests/per_example_oracle.py``): row ``i`` of ``jax.jacrev`` of
+The oracle is the definition (``tests/oracles.py``): row ``i`` of ``jax.jacrev`` of
 the losses vector with respect to the model's differentiated leaves, float64; the per-leaf
 squared norms, their total, and ``sum_i min(1, C/|g_i|) g_i`` follow from it. The checks:
 ``jt.per_example_norms(fun)`` (per leaf and ``total=True``) and ``jt.clipped_grad(fun, C)``
@@ -54,8 +54,16 @@ nnx = pytest.importorskip("flax.nnx")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from per_example_oracle import batch_normalised_ste, centred_backward, centred_tangent, clipped_backward  # noqa: E402
-from per_example_oracle import oracle_per_example, split_model  # noqa: E402
+from oracles import (  # noqa: E402
+    assert_close,
+    batch_normalised_ste,
+    centred_backward,
+    centred_tangent,
+    clipped_backward,
+    finite_difference_row,
+    oracle_per_example,
+    split_model,
+)
 
 jax.config.update("jax_enable_x64", True)
 
@@ -71,6 +79,8 @@ PROFILE = settings(
     database=None,
 )
 RTOL = 1e-10
+# each leaf to RTOL, with an absolute floor of RTOL times the largest entry of the oracle's tree
+TOL = dict(rtol=RTOL, atol=RTOL * 1e-2, scale_atol=True)
 
 # --- the classes -----------------------------------------------------------------------
 
@@ -1144,16 +1154,6 @@ def _jit(f, fw):
     return eqx.filter_jit(f) if fw == "eqx" else nnx.jit(f)
 
 
-def close(actual, expected, what):
-    """Leaf by leaf to RTOL, with an absolute floor of RTOL times the tree's largest entry."""
-    assert jax.tree.structure(actual) == jax.tree.structure(expected), f"{what}: structure {jax.tree.structure(actual)} != {jax.tree.structure(expected)}"
-    a, e = jax.tree.leaves(actual), jax.tree.leaves(expected)
-    scale = max([float(np.max(np.abs(np.asarray(x)), initial=0.0)) for x in e] + [1e-300])
-    for x, y in zip(a, e):
-        assert np.shape(x) == np.shape(y), f"{what}: shape {np.shape(x)} != {np.shape(y)}"
-        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=RTOL, atol=RTOL * 1e-2 * scale, err_msg=what)
-
-
 MIXING = re.compile(r"(?is)(example.*(depend|independen|mix|interact))|((depend|independen|mix|interact).*example)")
 
 
@@ -1191,9 +1191,9 @@ def check_program(p: Prog):
                 continue  # documented (Per-example gradients, Limits); never a silent number
             raise
         np.testing.assert_allclose(np.asarray(losses), np.asarray(ref.losses), rtol=1e-12, err_msg=f"{mode}: losses")
-        close(sq, ref.sq_norms, f"{mode}: per-leaf squared norms")
-        close(total, ref.total, f"{mode}: total squared norms")
-        close(clipped, ref.clipped(c), f"{mode}: clipped sum (max_norm {c})")
+        assert_close(sq, ref.sq_norms, f"{mode}: per-leaf squared norms", **TOL)
+        assert_close(total, ref.total, f"{mode}: total squared norms", **TOL)
+        assert_close(clipped, ref.clipped(c), f"{mode}: clipped sum (max_norm {c})", **TOL)
 
 
 def _skip_known(name):
@@ -1253,14 +1253,14 @@ def check_composition(around, p: Prog):
         return jt.per_example_norms(fun)(rebuild(d), *args, **kwargs)[1]
 
     if around == "jit":
-        close(jax.jit(norms)(diff), ref.sq_norms, "jax.jit(per_example_norms)")
-        close(jax.jit(lambda d: jt.clipped_grad(fun, c)(rebuild(d), *args, **kwargs)[1])(diff), ref.clipped(c), "jax.jit(clipped_grad)")
+        assert_close(jax.jit(norms)(diff), ref.sq_norms, "jax.jit(per_example_norms)", **TOL)
+        assert_close(jax.jit(lambda d: jt.clipped_grad(fun, c)(rebuild(d), *args, **kwargs)[1])(diff), ref.clipped(c), "jax.jit(clipped_grad)", **TOL)
     elif around == "checkpoint":
-        close(jax.checkpoint(norms)(diff), ref.sq_norms, "jax.checkpoint(per_example_norms)")
+        assert_close(jax.checkpoint(norms)(diff), ref.sq_norms, "jax.checkpoint(per_example_norms)", **TOL)
     elif around == "grad_norms":
         ours = jax.grad(lambda d: jnp.sum(jt.per_example_norms(fun, total=True)(rebuild(d), *args, **kwargs)[1]))(diff)
         expected = jax.grad(lambda d: jnp.sum(oracle_per_example(fun, rebuild(d), *args, **kwargs).total))(diff)
-        close(ours, expected, "jax.grad of the summed norms")
+        assert_close(ours, expected, "jax.grad of the summed norms", **TOL)
     elif around == "vmap":
         # two lanes that differ: the parameters scaled, the float arguments too (ids as they are)
         lanes = (diff, jax.tree.map(lambda a: a * 0.75, diff))
@@ -1273,8 +1273,8 @@ def check_composition(around, p: Prog):
 
         sq, clipped = jax.vmap(both)(stack(lanes), stack(lane_args))
         refs = [oracle_per_example(fun, rebuild(d), *a, **kwargs) for d, a in zip(lanes, lane_args)]
-        close(sq, stack([r.sq_norms for r in refs]), "jax.vmap(per_example_norms) over parameters and batches")
-        close(clipped, stack([r.clipped(c) for r in refs]), "jax.vmap(clipped_grad) over parameters and batches")
+        assert_close(sq, stack([r.sq_norms for r in refs]), "jax.vmap(per_example_norms) over parameters and batches", **TOL)
+        assert_close(clipped, stack([r.clipped(c) for r in refs]), "jax.vmap(clipped_grad) over parameters and batches", **TOL)
     elif around == "jvp":
         probe = jax.tree.map(lambda a: jnp.sin(1.0 + jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), diff)
         dot = lambda g: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(probe)))  # noqa: E731
@@ -1289,7 +1289,7 @@ def check_composition(around, p: Prog):
 
         _, tangent = jax.jvp(ours, (diff,), (probe,))
         _, expected = jax.jvp(definition, (diff,), (probe,))
-        close(tangent, expected, "jax.jvp of the total norms and of a projection of the clipped sum")
+        assert_close(tangent, expected, "jax.jvp of the total norms and of a projection of the clipped sum", **TOL)
     elif around == "jt_grad":
         # jt.grad around both transforms, with the user's own tag on the float input: its gradient and the
         # leaves' are those of the definition; the tags the transforms place for themselves stay theirs
@@ -1317,16 +1317,16 @@ def check_composition(around, p: Prog):
         assert set(tag_grads) == ({"x"} if k is not None else set()), f"jt.grad around the transforms found the tags {sorted(tag_grads)}"
         x0 = args[k] if k is not None else jnp.zeros(())
         expected, expected_x = jax.grad(definition, argnums=(0, 1))(diff, x0)
-        close(grads, expected, "jt.grad around the transforms: the leaves' gradients")
+        assert_close(grads, expected, "jt.grad around the transforms: the leaves' gradients", **TOL)
         if k is not None:
             # one value per call of ``fun`` (each transform calls it): a shared ``+ eps`` sees their sum
-            close(jnp.sum(tag_grads["x"], axis=0), expected_x, "jt.grad around the transforms: the gradient at the user's tag")
+            assert_close(jnp.sum(tag_grads["x"], axis=0), expected_x, "jt.grad around the transforms: the gradient at the user's tag", **TOL)
     elif around == "grad_clipped":
         probe = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), diff)
         dot = lambda g: sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(probe)))  # noqa: E731
         ours = jax.grad(lambda d: dot(jt.clipped_grad(fun, c)(rebuild(d), *args, **kwargs)[1]))(diff)
         expected = jax.grad(lambda d: dot(oracle_per_example(fun, rebuild(d), *args, **kwargs).clipped(c)))(diff)
-        close(ours, expected, "jax.grad of a projection of the clipped sum")
+        assert_close(ours, expected, "jax.grad of a projection of the clipped sum", **TOL)
 
 
 @pytest.mark.parametrize("around", COMPOSITIONS)
@@ -1354,8 +1354,6 @@ def test_composition(around):
 @pytest.mark.slow  # ~14 s on 2 cores: with --long
 def test_oracle_is_the_definition():
     """The oracle's rows against central finite differences, and against vmap(grad) where examples are independent."""
-    from per_example_oracle import finite_difference_row
-
     p = Prog("position_ids", "eqx", "", "linear", ("layernorm",), 3, 2, 2, 7)
     built = build(p)
     ref = oracle_per_example(built.fun, built.model, *built.args)
@@ -1369,4 +1367,4 @@ def test_oracle_is_the_definition():
     diff, rebuild = split_model(built.model)
     one = lambda d, x, y: built.fun(rebuild(d), x[None], y[None])[0]  # noqa: E731
     per = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(diff, *built.args)
-    close(per, ref.grads, "vmap(grad) vs jacrev")
+    assert_close(per, ref.grads, "vmap(grad) vs jacrev", **TOL)

@@ -10,21 +10,16 @@ import numpy as np
 import pytest
 
 import jaxtrace as jt
+from oracles import assert_close, oracle_per_example
 
 B, T, V, D = 3, 4, 7, 5
 KEYS = jax.random.split(jax.random.key(1), 8)
 
 
-def definition(losses_fn, model, *args):
-    diff, static = eqx.partition(model, eqx.is_inexact_array)
-    rows = jax.jacrev(lambda d: losses_fn(eqx.combine(d, static), *args))(diff)
-    return jax.tree_util.tree_map(lambda j: jnp.sum(j.reshape(j.shape[0], -1) ** 2, axis=1), rows), rows
-
-
-def check(losses_fn, model, *args, jit, on_factors=True, max_norm=0.5, rtol=1e-10):
-    sq_ref, rows = definition(losses_fn, model, *args)
-    w = jnp.minimum(1.0, max_norm / jnp.sqrt(sum(jax.tree_util.tree_leaves(sq_ref))))
-    clipped_ref = jax.tree_util.tree_map(lambda j: jnp.tensordot(w, j, 1), rows)
+def check(losses_fn, model, *args, jit, on_factors=True, max_norm=0.5, rtol=1e-10, float64=True):
+    """Norms and the clipped sum (``fallback="error"`` where ``on_factors``) against the definition
+    (``float64=False``: a model with float32 leaves, whose dtypes ours need not keep)."""
+    ref = oracle_per_example(losses_fn, model, *args, float64=float64)
     fallback = "error" if on_factors else "vmap"
 
     def ours(*args):
@@ -32,10 +27,8 @@ def check(losses_fn, model, *args, jit, on_factors=True, max_norm=0.5, rtol=1e-1
         return norms, jt.clipped_grad(losses_fn, max_norm, fallback=fallback)(*args)[1]
 
     sq, clipped = (eqx.filter_jit(ours) if jit else ours)(model, *args)
-    for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref), strict=True):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * 1e-2)
-    for a, e in zip(jax.tree_util.tree_leaves(clipped), jax.tree_util.tree_leaves(clipped_ref), strict=True):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * 1e-2)
+    assert_close(sq, ref.sq_norms, "per-leaf squared norms", rtol=rtol, atol=rtol * 1e-2, dtype=float64)
+    assert_close(clipped, ref.clipped(max_norm), "clipped sum", rtol=rtol, atol=rtol * 1e-2, dtype=float64)
 
 
 class Port(eqx.Module):
@@ -128,7 +121,7 @@ def test_reads_through_a_cast_are_on_factors():
             return h @ self.table.T.astype(jnp.float64)
 
     model = Cast(jax.random.normal(KEYS[1], (V, D), jnp.float32), jax.random.normal(KEYS[2], (T + 1, D), jnp.float32))
-    check(lambda m, i: jnp.sum(jnp.sin(jax.vmap(m)(i)), axis=(1, 2)), model, ids_with_ends(), jit=True, rtol=1e-5)
+    check(lambda m, i: jnp.sum(jnp.sin(jax.vmap(m)(i)), axis=(1, 2)), model, ids_with_ends(), jit=True, rtol=1e-5, float64=False)
 
 
 def test_reads_inside_checkpoint_are_on_factors():
@@ -212,12 +205,11 @@ def test_stacked_reads_inside_vmap_jit_and_grad():
     diff, static = eqx.partition(model, eqx.is_inexact_array)
     two = jax.tree_util.tree_map(lambda a: jnp.stack([a, 0.8 * a]), diff)
     norms = lambda d: jt.per_example_norms(lm_losses, total=True, fallback="error")(eqx.combine(d, static), ids)[1]  # noqa: E731
-    reference = lambda d: sum(jax.tree_util.tree_leaves(definition(lm_losses, eqx.combine(d, static), ids)[0]))  # noqa: E731
-    np.testing.assert_allclose(jax.jit(jax.vmap(norms))(two), jax.vmap(reference)(two), rtol=1e-10)
+    reference = lambda d: oracle_per_example(lm_losses, eqx.combine(d, static), ids).total  # noqa: E731
+    assert_close(jax.jit(jax.vmap(norms))(two), jax.vmap(reference)(two), "under jax.vmap", rtol=1e-10, atol=0)
     ours = jax.grad(lambda d: jnp.sum(norms(d)))(diff)
     expected = jax.grad(lambda d: jnp.sum(reference(d)))(diff)
-    for a, e in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(expected), strict=True):
-        np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-12)
+    assert_close(ours, expected, "under jax.grad", rtol=1e-9, atol=1e-12)
 
 
 def test_stacked_reads_the_rules_do_not_cover_keep_the_exact_path():
@@ -343,10 +335,7 @@ def test_nnx_multi_head_attention_is_on_factors():
     def losses(m, x):
         return jnp.sum(m(x) ** 2, axis=(1, 2))
 
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    rows = jax.jacrev(lambda p: losses(nnx.merge(graphdef, p, rest), x))(params)
-    sq_ref = jax.tree_util.tree_map(lambda j: jnp.sum(j.reshape(B, -1) ** 2, axis=1), rows)
-    scale = max(float(jnp.max(e)) for e in jax.tree_util.tree_leaves(sq_ref))
+    ref = oracle_per_example(losses, model, x)
     # To 1e-6, not 1e-10: without dropout nnx's attention calls jax.nn.dot_product_attention, whose
     # softmax is float32 whatever the dtype, so the key-projection norms move by up to 1.4e-7 relative
     # between two programs for the same gradient (measured: compiled against eager jax.jacrev, 5e-8 on
@@ -354,8 +343,7 @@ def test_nnx_multi_head_attention_is_on_factors():
     # below). A wrong factor is off by order one.
     for run, rtol in ((jt.per_example_norms(losses, fallback="error"), 1e-6), (nnx.jit(jt.per_example_norms(losses, fallback="error")), 1e-6)):
         _, sq = run(model, x)
-        for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(sq_ref), strict=True):
-            np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * 1e-2 * scale)
+        assert_close(sq, ref.sq_norms, rtol=rtol, atol=rtol * 1e-2, scale_atol=True)
 
 
 class ViTBlock(eqx.Module):
@@ -609,7 +597,6 @@ def test_nnx_recurrent_cells_in_nnx_rnn_are_on_factors(cell):
     """``nnx.RNN`` scans its cell with ``nnx.scan`` (and draws its initial carry from its own ``Rngs``,
     a state it writes): the cell's kernels and biases, closed over by the scan, are on factors."""
     from flax import nnx
-    from per_example_oracle import oracle_per_example
 
     class Model(nnx.Module):
         def __init__(self, rngs):
@@ -628,9 +615,7 @@ def test_nnx_recurrent_cells_in_nnx_rnn_are_on_factors(cell):
     ref = oracle_per_example(losses, model, x)
     for run in (jt.per_example_norms(losses, fallback="error"), nnx.jit(jt.per_example_norms(losses, fallback="error"))):
         _, sq = run(model, x)
-        assert jax.tree_util.tree_structure(sq) == jax.tree_util.tree_structure(ref.sq_norms)
-        for a, e in zip(jax.tree_util.tree_leaves(sq), jax.tree_util.tree_leaves(ref.sq_norms), strict=True):
-            np.testing.assert_allclose(a, e, rtol=1e-10, atol=1e-12 * float(jnp.max(ref.total)))
+        assert_close(sq, ref.sq_norms, rtol=1e-10, atol=1e-12 * float(jnp.max(ref.total)))
 
 
 class SharedRowsInAScan(eqx.Module):

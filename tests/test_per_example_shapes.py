@@ -8,7 +8,7 @@ is a per-example layout: its layers are on factors. What cannot be told apart (`
 remainder batch, calls of two shapes in two ``cond`` branches, a float carried from one example's step to
 the next) takes the exact path, named under ``fallback="error"``, never a refusal under ``fallback="vmap"``.
 
-The oracle is the definition (``tests/per_example_oracle.py``): row ``i`` of ``jax.jacrev`` of the
+The oracle is the definition (``tests/oracles.py``): row ``i`` of ``jax.jacrev`` of the
 losses vector, in float64; each check runs eagerly and under ``jax.jit``, for ``per_example_norms``
 (per leaf and ``total=True``) and ``clipped_grad``.
 """
@@ -21,7 +21,7 @@ import pytest
 from jax import lax
 
 import jaxtrace as jt
-from per_example_oracle import oracle_per_example
+from oracles import assert_close, oracle_per_example
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -35,11 +35,6 @@ def f64(model):
 
 def normal(seed, *shape):
     return jax.random.normal(jax.random.key(seed), shape, F64)
-
-
-def close(actual, expected, what):
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-10, atol=1e-12, err_msg=what)
 
 
 def check(fun, model, *args, fallback="error", modes=("eager", "jit")):
@@ -59,9 +54,9 @@ def check(fun, model, *args, fallback="error", modes=("eager", "jit")):
         if mode not in modes:
             continue
         sq, total, clipped = f(model, *args)
-        close(sq, ref.sq_norms, f"{mode}: per-leaf squared norms")
-        close(total, ref.total, f"{mode}: total squared norms")
-        close(clipped, ref.clipped(c), f"{mode}: clipped sum")
+        assert_close(sq, ref.sq_norms, f"{mode}: per-leaf squared norms", rtol=1e-10)
+        assert_close(total, ref.total, f"{mode}: total squared norms", rtol=1e-10)
+        assert_close(clipped, ref.clipped(c), f"{mode}: clipped sum", rtol=1e-10)
 
 
 def paths(fun, model, *args):

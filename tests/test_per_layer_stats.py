@@ -14,8 +14,7 @@ from jax import lax
 
 import jaxtrace as jt
 
-from conftest import assert_trees_close
-from oracles import eps_oracle, nnx_stack_by_hand
+from oracles import assert_close, eps_oracle, nnx_stack_by_hand
 
 F64 = jnp.float64
 X = jnp.linspace(-1.0, 1.0, 12, dtype=F64).reshape(4, 3)
@@ -62,13 +61,13 @@ def test_equinox_scanned_stack_stats_per_layer(maybe_jit):
     expected = eps_oracle(lambda e: scanned_oracle(model, e, x), jnp.zeros((4, 3), F64))
     assert sorted(tag_stats["layer"]) == sorted(jt.stats.STATS)
     assert tag_stats["layer"]["norm"].shape == (4,)  # one per layer, no loop_axes passed
-    assert_trees_close(tag_stats["layer"]["norm"], _per_layer_norms(expected))
-    assert_trees_close(tag_stats["layer"]["max_abs"], jnp.max(jnp.abs(expected), axis=1))
+    assert_close(tag_stats["layer"]["norm"], _per_layer_norms(expected))
+    assert_close(tag_stats["layer"]["max_abs"], jnp.max(jnp.abs(expected), axis=1))
     # stats= names; with_values: the activations' statistics, per layer too
     (_, (_, g_stats), v_stats) = jt.filter_value_and_grad(loss, stats="norm", with_values=True)(model, x)
     assert list(g_stats["layer"]) == ["norm"] and v_stats["layer"]["norm"].shape == (4,)
     grads2, g_stats2 = jt.filter_grad(loss, stats=["norm", "nonfinite"])(model, x)
-    assert_trees_close(g_stats2["layer"]["norm"], _per_layer_norms(expected))
+    assert_close(g_stats2["layer"]["norm"], _per_layer_norms(expected))
 
 
 @pytest.mark.long_eager
@@ -88,7 +87,7 @@ def test_equinox_lstm_cell_in_scan_stats_per_step(maybe_jit):
     _, (_, tag_grads) = jt.filter_value_and_grad(loss)(cell, xs)
     assert tag_stats[""]["norm"].shape == (5,)  # per step
     h, c = tag_grads[""]
-    assert_trees_close(tag_stats[""]["norm"], jnp.sqrt(jnp.sum(h**2, axis=1) + jnp.sum(c**2, axis=1)))
+    assert_close(tag_stats[""]["norm"], jnp.sqrt(jnp.sum(h**2, axis=1) + jnp.sum(c**2, axis=1)))
 
 
 def test_bad_stats_names_fail_when_wrapping():
@@ -107,7 +106,7 @@ def test_plain_stats_with_values():
     xs = jnp.ones((5, 2), F64)
     _, (_, g_stats), v_stats = jax.jit(jt.stats.value_and_grad(loss, with_values=True))(0.5, xs)
     _, _, values = jt.value_and_grad(loss, with_values=True)(0.5, xs)
-    assert_trees_close(v_stats["h"]["max_abs"], jnp.max(jnp.abs(values["h"]), axis=1))
+    assert_close(v_stats["h"]["max_abs"], jnp.max(jnp.abs(values["h"]), axis=1))
     assert g_stats["h"]["norm"].shape == (5,)
 
 
@@ -205,18 +204,18 @@ def test_nnx_stack_with_values_and_stats_against_eps():
     )
     for wrap in (lambda f: f, nnx.jit):
         value, (grads, tag_grads), tag_values = wrap(jaxtrace.flax.value_and_grad(nnx_loss, with_values=True))(model, X)
-        assert_trees_close(value, expected_value)
-        assert_trees_close(tag_grads["blocks"], expected)
-        assert_trees_close(tag_values["blocks"], expected_values)
+        assert_close(value, expected_value)
+        assert_close(tag_grads["blocks"], expected)
+        assert_close(tag_values["blocks"], expected_values)
         _, (_, tag_stats) = wrap(jaxtrace.flax.value_and_grad(nnx_loss, stats=True))(model, X)
         assert tag_stats["blocks"]["norm"].shape == (4,)  # one per layer
-        assert_trees_close(tag_stats["blocks"]["norm"], _per_layer_norms(expected))
+        assert_close(tag_stats["blocks"]["norm"], _per_layer_norms(expected))
     grads, tag_grads, tag_values = jaxtrace.flax.grad(nnx_loss, with_values=True)(model, X)
-    assert_trees_close(tag_values["blocks"], expected_values)
+    assert_close(tag_values["blocks"], expected_values)
     (grads, tag_grads), aux, tag_values = jaxtrace.flax.grad(
         lambda m, x: (nnx_loss(m, x), 7), has_aux=True, with_values=True
     )(model, X)
     assert aux == 7
-    assert_trees_close(tag_grads["blocks"], expected)
+    assert_close(tag_grads["blocks"], expected)
     # without with_values: as before
     assert len(jaxtrace.flax.grad(nnx_loss)(model, X)) == 2

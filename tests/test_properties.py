@@ -42,6 +42,7 @@ from jax import lax
 
 import jaxtrace as jt
 from jaxtrace._errors import NoTags
+from oracles import assert_close
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
@@ -401,20 +402,9 @@ def as_plain_dicts(tree):
 def assert_results_close(got, want, what="", floor=None):
     """Same structure, shapes and dtypes; values close by the leaf's dtype, or by ``floor``'s
     where that is looser (a value computed from lower-precision ones)."""
-    got = as_plain_dicts(got)
-    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(got)
-    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
-    assert got_tree == want_tree, f"{what}: structure\n got  {got_tree}\n want {want_tree}"
-    for (path, g), (_, w) in zip(got_leaves, want_leaves):
-        where = f"{what} {jax.tree_util.keystr(path)}"
-        assert np.shape(g) == np.shape(w), f"{where}: shape {np.shape(g)}, want {np.shape(w)}"
-        assert np.asarray(g).dtype == np.asarray(w).dtype, f"{where}: dtype {np.asarray(g).dtype}, want {np.asarray(w).dtype}"
-        tol = TOLERANCES.get(np.asarray(w).dtype, TOLERANCES[np.dtype(np.float64)])
-        if floor is not None:
-            tol = {k: max(v, TOLERANCES[np.dtype(floor)][k]) for k, v in tol.items()}
-        np.testing.assert_allclose(
-            np.asarray(g, np.float64), np.asarray(w, np.float64), **tol, err_msg=where
-        )
+    floor = TOLERANCES[np.dtype(floor)] if floor is not None else {"rtol": 0.0, "atol": 0.0}
+    tol = {k: {dtype: max(t[k], floor[k]) for dtype, t in TOLERANCES.items()} for k in ("rtol", "atol")}
+    assert_close(as_plain_dicts(got), want, what, **tol)
 
 
 def check_layout(results, contexts, what, lead=()):

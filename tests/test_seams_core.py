@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close
+from oracles import assert_close
 from jax import lax
 
 import jaxtrace as jt
@@ -56,7 +56,7 @@ def test_a_tag_called_under_vmap_and_unbatched_does_not_stop_other_tags(maybe_ji
         return vmapped_and_plain("vmap_first", False)(y)
 
     _, tag_grads = maybe_jit(jt.grad(f, tags="other"))(XS)
-    assert_trees_close(tag_grads["other"], jax.grad(f, argnums=1)(XS, jnp.zeros_like(XS)))
+    assert_close(tag_grads["other"], jax.grad(f, argnums=1)(XS, jnp.zeros_like(XS)))
 
 
 # --- one tag in both branches of a cond, vmapped over a different axis in each -----------------
@@ -86,19 +86,19 @@ def test_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit, p):
     e0 = jnp.zeros((4, 3))
     g, tag_grads, values = maybe_jit(jt.grad(two_axes, with_values=True))(XS, p)
     assert tag_grads["h"].shape == (4, 3)
-    assert_trees_close(tag_grads["h"], jax.jit(jax.grad(two_axes, argnums=2))(XS, p, e0))
-    assert_trees_close(g, jax.jit(jax.grad(two_axes))(XS, p, e0))
-    assert_trees_close(values["h"], 2 * XS)
+    assert_close(tag_grads["h"], jax.jit(jax.grad(two_axes, argnums=2))(XS, p, e0))
+    assert_close(g, jax.jit(jax.grad(two_axes))(XS, p, e0))
+    assert_close(values["h"], 2 * XS)
     _, captured = maybe_jit(jt.capture(two_axes))(XS, p)
-    assert_trees_close(captured["h"], 2 * XS)
+    assert_close(captured["h"], 2 * XS)
     # A replacement goes back into each branch's own layout.
     new = jnp.cos(XS)
     patched = maybe_jit(jt.patch(two_axes, {"h": new}))(XS, p)
-    assert_trees_close(patched, jax.jit(two_axes)(XS, p, new - 2 * XS))
+    assert_close(patched, jax.jit(two_axes)(XS, p, new - 2 * XS))
     _, out_tangent, tangents = jt.jvp(lambda x: two_axes(x, p), (XS,), (jnp.ones_like(XS),))
-    assert_trees_close(tangents["h"], 2 * jnp.ones_like(XS))
+    assert_close(tangents["h"], 2 * jnp.ones_like(XS))
     oracle = jax.jit(lambda x, t: jax.jvp(lambda x: two_axes(x, p, e0), (x,), (t,))[1])
-    assert_trees_close(out_tangent, oracle(XS, jnp.ones_like(XS)))
+    assert_close(out_tangent, oracle(XS, jnp.ones_like(XS)))
 
 
 @pytest.mark.long_eager
@@ -114,11 +114,11 @@ def test_vmapped_cond_branches_vmapping_a_tag_over_different_axes(maybe_jit):
     g, tag_grads, values = maybe_jit(jt.grad(f, with_values=True))(xs)
     e0 = jnp.zeros((2, 4, 3))
     assert tag_grads["h"].shape == (2, 4, 3)
-    assert_trees_close(tag_grads["h"], jax.jit(jax.grad(f_eps, argnums=1))(xs, e0))
-    assert_trees_close(g, jax.jit(jax.grad(f_eps))(xs, e0))
-    assert_trees_close(values["h"], 2 * xs)  # both branches tag it: no example is masked
+    assert_close(tag_grads["h"], jax.jit(jax.grad(f_eps, argnums=1))(xs, e0))
+    assert_close(g, jax.jit(jax.grad(f_eps))(xs, e0))
+    assert_close(values["h"], 2 * xs)  # both branches tag it: no example is masked
     patched = maybe_jit(jt.patch(f, {"h": jnp.cos(xs)}))(xs)
-    assert_trees_close(patched, jax.jit(f_eps)(xs, jnp.cos(xs) - 2 * xs))
+    assert_close(patched, jax.jit(f_eps)(xs, jnp.cos(xs) - 2 * xs))
 
 
 @pytest.mark.long_eager
@@ -139,7 +139,7 @@ def test_a_vmapped_cond_around_branches_of_different_ranks(maybe_jit):
     f = lambda xs: jnp.sum(jax.vmap(one)(xs))  # noqa: E731
     f_eps = lambda xs, e: jnp.sum(jax.vmap(one)(xs, e))  # noqa: E731
     _, tag_grads = maybe_jit(jt.grad(f, tags="o"))(xs)
-    assert_trees_close(tag_grads["o"], jax.grad(f_eps, argnums=1)(xs, jnp.zeros_like(xs)))
+    assert_close(tag_grads["o"], jax.grad(f_eps, argnums=1)(xs, jnp.zeros_like(xs)))
     with pytest.raises(jt.TagError, match="different shapes in the branches"):
         maybe_jit(jt.grad(f))(xs)
 
@@ -172,8 +172,8 @@ def test_runs_with_literal_constants_are_spliced_and_cached(c):
     e0 = jnp.zeros((4, 3))
     oracle = {f"h{i}": g for i, g in enumerate(jax.grad(layers, argnums=3)(W, X, c, e0))}
     g, tag_grads = jt.grad(f)(W, X)
-    assert_trees_close(tag_grads, oracle)
-    assert_trees_close(g, jax.grad(layers)(W, X, c, e0))
+    assert_close(tag_grads, oracle)
+    assert_close(g, jax.grad(layers)(W, X, c, e0))
     first = _fused_runs.run_function.cache_info()
     # The layers' runs hold literals (c, the mean's count, 3.0) and are spliced: the repeated
     # layers share their functions.
@@ -184,8 +184,8 @@ def test_runs_with_literal_constants_are_spliced_and_cached(c):
     # Under jax.jit the second call does not trace the function again.
     jitted = jax.jit(jt.grad(f))
     traces.clear()
-    assert_trees_close(jitted(W, X)[1], oracle)
-    assert_trees_close(jitted(W, X)[1], oracle)
+    assert_close(jitted(W, X)[1], oracle)
+    assert_close(jitted(W, X)[1], oracle)
     assert len(traces) == 1
 
 
@@ -195,7 +195,7 @@ def test_runs_that_differ_only_in_a_constant_do_not_share_a_splice(maybe_jit):
     for c in (2.0, 3.0, 2.0, -0.5):
         _, tag_grads = maybe_jit(jt.grad(lambda w, x: layers(w, x, c)))(W, X)
         oracle = jax.grad(layers, argnums=3)(W, X, c, e0)
-        assert_trees_close(tag_grads, {f"h{i}": g for i, g in enumerate(oracle)})
+        assert_close(tag_grads, {f"h{i}": g for i, g in enumerate(oracle)})
 
 
 def test_constants_are_keyed_by_their_bits():

@@ -13,6 +13,7 @@ from jax import export, lax
 
 import jaxtrace as jt
 from jaxtrace import stats
+from oracles import assert_close
 
 jax.config.update("jax_enable_x64", True)
 
@@ -37,11 +38,8 @@ def assert_stats_match(tag_stats, tag_grads, keep, rtol=1e-12, names=stats.STATS
     for name, value in tag_grads.items():
         expected = numpy_stats(value, keep.get(name, 0))
         assert set(tag_stats[name]) == set(names)
-        for stat in names:
-            want = expected[stat]
-            got = np.asarray(tag_stats[name][stat])
-            assert got.shape == want.shape, (name, stat, got.shape, want.shape)
-            np.testing.assert_allclose(got, want, rtol=rtol, atol=0, err_msg=f"{name} {stat}")
+        got = {stat: np.asarray(tag_stats[name][stat]) for stat in names}
+        assert_close(got, {stat: expected[stat] for stat in names}, name, rtol=rtol, atol=0, dtype=False)
 
 
 def model(params, xs):

@@ -4,8 +4,7 @@ the user's own transforms, each against an explicit-perturbation oracle."""
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_trees_close
-from oracles import hlo
+from oracles import assert_close, hlo
 from jax import lax
 
 import jaxtrace as jt
@@ -39,8 +38,8 @@ def test_scan_stacks_per_step(maybe_jit, reverse):
     grads, tag_grads = maybe_jit(jt.grad(lambda w: rnn(w, XS, H0, reverse=reverse)))(W)
     expected = jax.grad(lambda e: rnn(W, XS, H0, e, reverse=reverse))(jnp.zeros((T, B, H)))
     assert tag_grads["h"].shape == (T, B, H)
-    assert_trees_close(tag_grads["h"], expected)
-    assert_trees_close(grads, jax.grad(lambda w: rnn(w, XS, H0, reverse=reverse))(W))
+    assert_close(tag_grads["h"], expected)
+    assert_close(grads, jax.grad(lambda w: rnn(w, XS, H0, reverse=reverse))(W))
 
 
 def test_nested_scans_outer_axis_first(maybe_jit):
@@ -60,7 +59,7 @@ def test_nested_scans_outer_axis_first(maybe_jit):
     x = jnp.linspace(0.1, 0.4, 4)
     _, tag_grads = maybe_jit(jt.grad(f))(x)
     expected = jax.grad(lambda e: f(x, e))(jnp.zeros((2, 3, 4)))
-    assert_trees_close(tag_grads["v"], expected)
+    assert_close(tag_grads["v"], expected)
 
 
 def test_fori_loop_static_bounds_and_lax_map(maybe_jit):
@@ -82,7 +81,7 @@ def test_fori_loop_static_bounds_and_lax_map(maybe_jit):
     x = jnp.linspace(0.1, 0.4, 3)
     _, tag_grads = maybe_jit(jt.grad(f))(x)
     expected = jax.grad(lambda e: f(x, e))({"c": jnp.zeros((4, 3)), "m": jnp.zeros((2, 3))})
-    assert_trees_close(tag_grads, expected)
+    assert_close(tag_grads, expected)
 
 
 def test_vmap_inside_gives_per_example_axis(maybe_jit):
@@ -97,7 +96,7 @@ def test_vmap_inside_gives_per_example_axis(maybe_jit):
 
     xs = XS[0]
     _, tag_grads = maybe_jit(jt.grad(f))(W, xs)
-    assert_trees_close(tag_grads["h"], jax.grad(lambda e: f(W, xs, e))(jnp.zeros((B, H))))
+    assert_close(tag_grads["h"], jax.grad(lambda e: f(W, xs, e))(jnp.zeros((B, H))))
 
 
 def test_vmap_batch_axis_not_leading_is_moved_first(maybe_jit):
@@ -114,7 +113,7 @@ def test_vmap_batch_axis_not_leading_is_moved_first(maybe_jit):
     xs = XS[0].T  # (H, B): examples along axis 1
     _, tag_grads = maybe_jit(jt.grad(f))(W, xs)
     expected = jax.grad(lambda e: f(W, xs, e))(jnp.zeros((B, H, H)))
-    assert_trees_close(tag_grads["h"], expected)
+    assert_close(tag_grads["h"], expected)
 
 
 @pytest.mark.parametrize("order", ["vmap_of_scan", "scan_of_vmap"])
@@ -151,7 +150,7 @@ def test_scan_and_vmap_axis_order_is_loops_then_batch(maybe_jit, order):
 
     _, tag_grads = maybe_jit(jt.grad(f))(XS)
     assert tag_grads["h"].shape == (T, B, H)
-    assert_trees_close(tag_grads["h"], jax.grad(lambda e: f(XS, e))(jnp.zeros((T, B, H))))
+    assert_close(tag_grads["h"], jax.grad(lambda e: f(XS, e))(jnp.zeros((T, B, H))))
 
 
 def test_vmap_of_jt_grad_gives_per_example_grads(maybe_jit):
@@ -163,8 +162,8 @@ def test_vmap_of_jt_grad_gives_per_example_grads(maybe_jit):
     xs = XS[0]
     grads, tag_grads = maybe_jit(jax.vmap(jt.grad(loss), in_axes=(None, 0)))(W, xs)
     expected_w, expected_h = jax.vmap(jax.grad(loss, argnums=(0, 2)), in_axes=(None, 0, None))(W, xs, jnp.zeros(H))
-    assert_trees_close(grads, expected_w)
-    assert_trees_close(tag_grads["h"], expected_h)
+    assert_close(grads, expected_w)
+    assert_close(tag_grads["h"], expected_h)
 
 
 def test_cond_branch_not_taken_gives_zeros_and_shared_name_is_one_site(maybe_jit):
@@ -183,9 +182,9 @@ def test_cond_branch_not_taken_gives_zeros_and_shared_name_is_one_site(maybe_jit
     zeros = {"branch": jnp.zeros(3), "only_yes": jnp.zeros(3)}
     for pred in (True, False):
         _, tag_grads = maybe_jit(jt.grad(f))(x, pred)
-        assert_trees_close(tag_grads, jax.grad(lambda e: f(x, pred, e))(zeros))
+        assert_close(tag_grads, jax.grad(lambda e: f(x, pred, e))(zeros))
     _, tag_grads = maybe_jit(jt.grad(f))(x, False)
-    assert_trees_close(tag_grads["only_yes"], jnp.zeros(3))
+    assert_close(tag_grads["only_yes"], jnp.zeros(3))
 
 
 def test_switch_in_scan(maybe_jit):
@@ -200,7 +199,7 @@ def test_switch_in_scan(maybe_jit):
 
     x = jnp.linspace(0.1, 0.5, 3)
     _, tag_grads = maybe_jit(jt.grad(f))(x)
-    assert_trees_close(tag_grads["s"], jax.grad(lambda e: f(x, e))(jnp.zeros((5, 3))))
+    assert_close(tag_grads["s"], jax.grad(lambda e: f(x, e))(jnp.zeros((5, 3))))
 
 
 @pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable, jax.checkpoint_policies.dots_saveable])
@@ -225,8 +224,8 @@ def test_checkpoint_nested_jit_and_closed_call(maybe_jit, policy):
     zeros = {"jit": jnp.zeros((B, H)), "remat": jnp.zeros((B, H))}
     grads, tag_grads = maybe_jit(jt.grad(f))(W, x)
     expected_w, expected_tags = jax.grad(f, argnums=(0, 2))(W, x, zeros)
-    assert_trees_close(tag_grads, expected_tags)
-    assert_trees_close(grads, expected_w)
+    assert_close(tag_grads, expected_tags)
+    assert_close(grads, expected_w)
 
     closed = jax.make_jaxpr(lambda a: jt.tag(jnp.sin(a), "cc") * 2.0)(x)
 
@@ -238,7 +237,7 @@ def test_checkpoint_nested_jit_and_closed_call(maybe_jit, policy):
         return jnp.sum(out**2)
 
     _, tag_grads = maybe_jit(jt.grad(g))(x)
-    assert_trees_close(tag_grads["cc"], 2.0 * 2.0 * jnp.sin(x) * 2.0)
+    assert_close(tag_grads["cc"], 2.0 * 2.0 * jnp.sin(x) * 2.0)
 
 
 def test_higher_order_penalty_on_tag_gradient(maybe_jit):
@@ -258,9 +257,9 @@ def test_higher_order_penalty_on_tag_gradient(maybe_jit):
     def penalty_oracle(w):
         return jnp.sum(jax.grad(loss, argnums=2)(w, x, jnp.zeros((B, H))) ** 2)
 
-    assert_trees_close(maybe_jit(jax.grad(penalty))(W), jax.grad(penalty_oracle)(W))
+    assert_close(maybe_jit(jax.grad(penalty))(W), jax.grad(penalty_oracle)(W))
     hessian_vector = jax.jvp(jax.grad(penalty), (W,), (jnp.ones_like(W),))[1]
-    assert_trees_close(hessian_vector, jax.jvp(jax.grad(penalty_oracle), (W,), (jnp.ones_like(W),))[1])
+    assert_close(hessian_vector, jax.jvp(jax.grad(penalty_oracle), (W,), (jnp.ones_like(W),))[1])
 
 
 def test_jt_grad_inside_scan_body(maybe_jit):
@@ -283,7 +282,7 @@ def test_jt_grad_inside_scan_body(maybe_jit):
 
         return lax.scan(step, w, XS[:, 0])
 
-    assert_trees_close((w_final, hs), oracle(W[0]))
+    assert_close((w_final, hs), oracle(W[0]))
 
 
 def test_tagged_function_calling_jax_grad_inside(maybe_jit):
@@ -301,7 +300,7 @@ def test_tagged_function_calling_jax_grad_inside(maybe_jit):
     x = XS[0]
     _, tag_grads = maybe_jit(jt.grad(outer))(W, x)
     expected = jax.grad(lambda e: outer(W, x, e))((jnp.zeros((B, H)), jnp.zeros((B, H))))
-    assert_trees_close(tag_grads["h"], jnp.stack(expected))
+    assert_close(tag_grads["h"], jnp.stack(expected))
 
 
 def test_meta_learning_inner_grad_oracle(maybe_jit):
@@ -316,7 +315,7 @@ def test_meta_learning_inner_grad_oracle(maybe_jit):
     x = XS[0]
     _, tag_grads = maybe_jit(jt.grad(outer))(W, x)
     expected = jax.grad(lambda e: outer(W, x, e))(jnp.zeros((B, H)))
-    assert_trees_close(tag_grads["h"], expected)
+    assert_close(tag_grads["h"], expected)
 
 
 def test_repeated_tag_stacks_calls_in_order(maybe_jit):
@@ -330,7 +329,7 @@ def test_repeated_tag_stacks_calls_in_order(maybe_jit):
 
     x = XS[0]
     _, tag_grads = maybe_jit(jt.grad(f))(x)
-    assert_trees_close(tag_grads["block"], jax.grad(lambda e: f(x, e))(jnp.zeros((3, B, H))))
+    assert_close(tag_grads["block"], jax.grad(lambda e: f(x, e))(jnp.zeros((3, B, H))))
 
 
 def test_repeated_tag_inside_scan_body(maybe_jit):
@@ -346,7 +345,7 @@ def test_repeated_tag_inside_scan_body(maybe_jit):
 
     x = jnp.linspace(0.1, 0.5, 3)
     _, tag_grads = maybe_jit(jt.grad(f))(x)
-    assert_trees_close(tag_grads["r"], jax.grad(lambda e: f(x, e))(jnp.zeros((4, 2, 3))))
+    assert_close(tag_grads["r"], jax.grad(lambda e: f(x, e))(jnp.zeros((4, 2, 3))))
 
 
 # --- cost -----------------------------------------------------------------------
