@@ -158,10 +158,18 @@ def columns(module, losses, batch, size: int):
     history = jt.NormHistory.init(size, losses_shape, sq_shape)
     history_c = jax.jit(history_step, donate_argnums=(2,)).lower(arrays, opt_state, history, *batch).compile()
     fresh = lambda: jax.tree.map(jnp.copy, history)  # noqa: E731  (donated: a buffer per call)
+    def clipped(arrays, opt_state, *batch):
+        per_example, summed = clip(eqx.combine(arrays, static), *batch)
+        grads = jax.tree.map(lambda g: g / per_example.shape[0], summed)
+        updates, opt_state = optimizer.update(grads, opt_state, arrays)
+        return optax.apply_updates(arrays, updates), opt_state, jnp.mean(per_example)
+
+    clip = jt.clipped_grad(losses, 1.0)
     return {
         "plain": (jax.jit(plain).lower(arrays, opt_state, *batch).compile(), lambda: (arrays, opt_state, *batch)),
         "history": (history_c, lambda: (arrays, opt_state, fresh(), *batch)),
         "norms, no push": (jax.jit(no_push).lower(arrays, opt_state, *batch).compile(), lambda: (arrays, opt_state, *batch)),
+        "clipped_grad": (jax.jit(clipped).lower(arrays, opt_state, *batch).compile(), lambda: (arrays, opt_state, *batch)),
     }, (arrays, static, fun, history)
 
 
