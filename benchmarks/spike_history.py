@@ -13,7 +13,10 @@ each one jitted step of the model's arrays (the static part closed over) with an
 - ``history``: ``jt.value_grad_and_norms`` (the mean loss's gradient and each example's squared
   gradient norm per leaf, one pass), the update, and ``history.push`` into a ``jt.NormHistory`` of
   ``--size`` steps carried in (and donated to) the step;
-- ``norms, no push``: the same without the history (what the norms cost alone).
+- ``norms, no push``: the same without the history (what the norms cost alone);
+- ``clipped_grad``: ``jt.clipped_grad`` (bound 1.0) divided by the batch size, and the update: the
+  DP-SGD step, which forms the same norms and a weighted sum from the same pass (what the norms step
+  should cost no more than: it is that sum with every weight 1).
 
 Each round calls every column ``repeats`` times in a random order, waiting for each call; a column's
 figure is the median over rounds of its time over ``plain``'s in the same round, in process CPU time
