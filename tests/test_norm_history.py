@@ -170,7 +170,8 @@ def every_route_batch(b=5):
 def test_value_grad_and_norms_every_route_against_jacrev(maybe_jit, b):
     """The gradient from the norms' own factors (each example's gradient summed where the norm forms it,
     one contraction of the factors elsewhere, the rows of the exact path) is the mean of the definition's
-    rows, and the norms are the definition's, float64."""
+    rows, and the norms are the definition's, float64; and ``clipped_grad``'s weighted sum by the same
+    routes is the definition's clipped sum."""
     from jaxtrace._per_example._pass import Call
 
     model, batch_ = f64(EveryRoute(KEY)), every_route_batch(b)
@@ -186,13 +187,19 @@ def test_value_grad_and_norms_every_route_against_jacrev(maybe_jit, b):
         np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
     for ours, want in zip(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms)):
         np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
+    # clipped_grad's weighted sum takes the same routes (the bound bites for about half the examples)
+    c = float(jnp.median(jnp.sqrt(ref.total)))
+    clipped = maybe_jit(jt.clipped_grad(every_route_losses, c))(model, *batch_)[1]
+    for ours, want in zip(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c))):
+        np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
 
 
 def test_the_gradient_is_not_formed_twice():
     """XLA's flop count: where the norms form each example's weight gradient (a convolution at many
     positions, an RNN's weights over its steps), the gradient is their sum, and the backward pass's own
     weight gradient is left out of the program: the step costs about the plain one, not one weight
-    gradient more (the scan unrolled, so that each step's products are counted)."""
+    gradient more (the scan unrolled, so that each step's products are counted); nor does
+    ``clipped_grad``, whose weighted sum is of the same per-example gradients."""
 
     class RNN(eqx.Module):
         w: jax.Array
@@ -224,7 +231,9 @@ def test_the_gradient_is_not_formed_twice():
 
         plain = flops(eqx.filter_value_and_grad(lambda m, x: jnp.mean(losses(m, x))))
         ours = flops(jt.value_grad_and_norms(losses))
+        clipped = flops(jt.clipped_grad(losses, 1.0))
         assert ours <= 1.12 * plain, (type(model).__name__, ours / plain)
+        assert clipped <= 1.12 * plain, (type(model).__name__, clipped / plain)
 
 
 # --- the ring buffer -------------------------------------------------------------------------------

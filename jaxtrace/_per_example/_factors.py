@@ -212,16 +212,21 @@ def weighted_sum(uses: list[Use], weights, shape: tuple, dtype, nan_safe: bool =
     for a non-finite norm (weight 0) then adds exact zeros, not ``0 * nan``; one whose norm is finite
     has no such entry (each entry of its factors enters its norm).
 
-    The batch gradient with each example scaled: one contraction per use, the size of the
-    ordinary parameter gradient (no per-example gradient is formed). It is formed as the plain
+    Where the squared norm forms each example's gradient (``per_example_grad``), the weighted sum of
+    those, as ``_conv`` does with a convolution's blocks (``nan_safe`` then zeroes their non-finite
+    entries: the same sum, as ``conv_weighted_sum`` says). Elsewhere the batch gradient with each
+    example scaled: one contraction per use, the size of the ordinary parameter gradient (no
+    per-example gradient is formed). It is formed as the plain
     backward forms the weight gradient: the output-gradient factor scaled by its example's
     weight, then one ``dot_general`` over the rows ``(B * K)`` of both factors. Under sharding
     the factors then move only as the plain step's do (a weighted einsum over ``(b, k)`` had
     XLA gather each layer's input over the batch again: issue 33, +61% bytes under FSDP).
     """
-    if weights is None and _per_example_form(uses):  # the norm forms each g_i: their sum (shared in one program)
-        return jnp.reshape(jnp.sum(per_example_grad(uses, dtype), axis=0), shape)
-    total, z = 0.0, finite if nan_safe else (lambda f: f)
+    z = finite if nan_safe else (lambda f: f)
+    if _per_example_form(uses):  # the norm forms each g_i: their (weighted) sum, shared with it in one program
+        grad = z(per_example_grad(uses, dtype))
+        return jnp.reshape(jnp.sum(grad, axis=0) if weights is None else jnp.tensordot(weights.astype(dtype), grad, 1), shape)
+    total = 0.0
     for u in uses:
         if u.b is None:
             if isinstance(u.a, Index):
