@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factors import HIGHEST, Use, finite
+from ._factors import HIGHEST, Use, example_weights, finite
 
 __all__ = ["ConvUse", "conv_pads", "conv_sq_norm", "conv_weighted_sum"]
 
@@ -208,8 +208,8 @@ def conv_weighted_sum(use: ConvUse, weights, shape: tuple, dtype, nan_safe: bool
     """
     if not use.gram():
         zero = finite if nan_safe else (lambda k: k)
-        summed = (lambda k: jnp.sum(k, axis=0)) if weights is None else (lambda k: jnp.tensordot(weights.astype(dtype), k, 1))
-        return jnp.reshape(use.leaf_layout([summed(zero(k)) for k in use.per_offset(dtype)]), shape)
+        w = example_weights(weights, use.x.shape[0], dtype)
+        return jnp.reshape(use.leaf_layout([jnp.tensordot(w, zero(k), 1) for k in use.per_offset(dtype)]), shape)
     if nan_safe:
         use = dataclasses.replace(use, x=finite(use.x), g=finite(use.g))
     g = use.g.astype(dtype)
