@@ -233,10 +233,8 @@ def weighted_sum(uses: list[Use], weights, shape: tuple, dtype, nan_safe: bool =
                 k = u.a.ids.shape[1]
                 ones = jnp.ones(u.a.ids.size, dtype) if weights is None else jnp.repeat(weights.astype(dtype), k)
                 part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(ones)
-            elif weights is None:
-                part = jnp.sum(z(_rows(u, "a")).astype(dtype), axis=0)
             else:
-                part = _contract(_row_weights(weights.astype(dtype), u.a), z(_rows(u, "a")))
+                part = _contract(_row_weights(example_weights(weights, u.a.shape[0], dtype), u.a), z(_rows(u, "a")))
         elif isinstance(u.a, Index):
             b = z(u.b) if weights is None else z(u.b) * weights.astype(dtype)[:, None, None]
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b.reshape(-1, u.b.shape[-1]).astype(dtype))

@@ -29,7 +29,7 @@ from .._program import Program
 from .._sites import TagError
 from .._stateful import lift
 from .._tag import opened
-from ._factors import Use, examples_first, finite, over_loops, with_rows
+from ._factors import Use, example_weights, examples_first, finite, over_loops, with_rows
 from ._groups import call_groups
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
@@ -490,7 +490,7 @@ class Call:
             else:
                 rows = self._exact_grads[i].astype(dtypes[i])
                 rows = finite(rows) if nan_safe else rows
-                g = jnp.sum(rows, axis=0) if weights is None else jnp.tensordot(weights.astype(dtypes[i]), rows, 1)
+                g = jnp.tensordot(example_weights(weights, self.batch, dtypes[i]), rows, 1)
             out.append(g.astype(jnp.result_type(leaf)))
         return out
 
