@@ -13,7 +13,10 @@ each one jitted step of the model's arrays (the static part closed over) with an
 - ``history``: ``jt.value_grad_and_norms`` (the mean loss's gradient and each example's squared
   gradient norm per leaf, one pass), the update, and ``history.push`` into a ``jt.NormHistory`` of
   ``--size`` steps carried in (and donated to) the step;
-- ``norms, no push``: the same without the history (what the norms cost alone).
+- ``norms, no push``: the same without the history (what the norms cost alone);
+- ``clipped_grad``: ``jt.clipped_grad`` (bound 1.0) divided by the batch size, and the update: the
+  DP-SGD step, which forms the same norms and a weighted sum from the same pass (what the norms step
+  should cost no more than: it is that sum with every weight 1).
 
 Each round calls every column ``repeats`` times in a random order, waiting for each call; a column's
 figure is the median over rounds of its time over ``plain``'s in the same round, in process CPU time
@@ -158,10 +161,18 @@ def columns(module, losses, batch, size: int):
     history = jt.NormHistory.init(size, losses_shape, sq_shape)
     history_c = jax.jit(history_step, donate_argnums=(2,)).lower(arrays, opt_state, history, *batch).compile()
     fresh = lambda: jax.tree.map(jnp.copy, history)  # noqa: E731  (donated: a buffer per call)
+    def clipped(arrays, opt_state, *batch):
+        per_example, summed = clip(eqx.combine(arrays, static), *batch)
+        grads = jax.tree.map(lambda g: g / per_example.shape[0], summed)
+        updates, opt_state = optimizer.update(grads, opt_state, arrays)
+        return optax.apply_updates(arrays, updates), opt_state, jnp.mean(per_example)
+
+    clip = jt.clipped_grad(losses, 1.0)
     return {
         "plain": (jax.jit(plain).lower(arrays, opt_state, *batch).compile(), lambda: (arrays, opt_state, *batch)),
         "history": (history_c, lambda: (arrays, opt_state, fresh(), *batch)),
         "norms, no push": (jax.jit(no_push).lower(arrays, opt_state, *batch).compile(), lambda: (arrays, opt_state, *batch)),
+        "clipped_grad": (jax.jit(clipped).lower(arrays, opt_state, *batch).compile(), lambda: (arrays, opt_state, *batch)),
     }, (arrays, static, fun, history)
 
 

@@ -110,6 +110,126 @@ def test_one_backward_pass():
     assert ours < twice, (ours, twice)
 
 
+class EveryRoute(eqx.Module):
+    """A model whose leaves take every route of ``value_grad_and_norms``' gradient: a tanh RNN closing over
+    ``w`` and ``u`` in ``lax.scan`` (each example's weight gradient formed: its 12 steps are more than half
+    the width), its bias (a vector leaf), a Linear at every position of a sequence (the gradient formed)
+    and one on the pooled features (the Gram form), a convolution at many output positions (its blocks per
+    kernel offset) and one at few, wide (the Gram form), embeddings through one-hot factors (a wide table:
+    the Gram form; a narrow one read many times: the gradient formed), and a leaf transformed before its
+    use (the exact path)."""
+
+    w: jax.Array
+    u: jax.Array
+    b: jax.Array
+    seq: eqx.nn.Linear
+    head: eqx.nn.Linear
+    conv_many: eqx.nn.Conv2d
+    conv_wide: eqx.nn.Conv2d
+    wide_table: eqx.nn.Embedding
+    narrow_table: eqx.nn.Embedding
+    raw: jax.Array
+
+    def __init__(self, key):
+        k = jax.random.split(key, 10)
+        self.w, self.u = 0.4 * jax.random.normal(k[0], (5, 5)), 0.4 * jax.random.normal(k[1], (3, 5))
+        self.b = 0.1 * jax.random.normal(k[2], (5,))
+        self.seq, self.head = eqx.nn.Linear(5, 6, key=k[3]), eqx.nn.Linear(6, 6, key=k[4])
+        self.conv_many = eqx.nn.Conv2d(2, 3, 3, padding=1, key=k[5])
+        self.conv_wide = eqx.nn.Conv2d(3, 8, 3, stride=4, padding=1, key=k[6])
+        self.wide_table, self.narrow_table = eqx.nn.Embedding(11, 6, key=k[7]), eqx.nn.Embedding(3, 2, key=k[8])
+        self.raw = 0.3 * jax.random.normal(k[9], (6,))
+
+    def __call__(self, xs, image, ids, few_ids):
+        h, hs = jax.lax.scan(lambda h, x: (jnp.tanh(h @ self.w + x @ self.u + self.b),) * 2, jnp.zeros(5, xs.dtype), xs)
+        seq = jax.vmap(self.seq)(hs)  # (12, 6): 12 positions
+        pooled = self.head(jnp.tanh(seq.mean(0))) * jnp.exp(jnp.tanh(self.raw))
+        c = self.conv_wide(jnp.tanh(self.conv_many(image)))  # 8x8 positions, then 2x2
+        emb = jax.vmap(self.wide_table)(few_ids).sum(0) + jnp.concatenate([jax.vmap(self.narrow_table)(ids).sum(0), jnp.zeros(4)])
+        return jnp.sum(pooled * emb) + jnp.sum(c**2) + jnp.sum(h)
+
+
+def every_route_losses(model, xs, image, ids, few_ids):
+    return jax.vmap(model)(xs, image, ids, few_ids) ** 2
+
+
+def every_route_batch(b=5):
+    k = jax.random.split(jax.random.key(3), 4)
+    return (jax.random.normal(k[0], (b, 12, 3), F64), jax.random.normal(k[1], (b, 2, 8, 8), F64),
+            jax.random.randint(k[2], (b, 9), 0, 3), jax.random.randint(k[3], (b, 2), 0, 11))
+
+
+@pytest.mark.parametrize("b", [5, 1])
+@pytest.mark.long_eager
+def test_value_grad_and_norms_every_route_against_jacrev(maybe_jit, b):
+    """The gradient from the norms' own factors (each example's gradient summed where the norm forms it,
+    one contraction of the factors elsewhere, the rows of the exact path) is the mean of the definition's
+    rows, and the norms are the definition's, float64; and ``clipped_grad``'s weighted sum by the same
+    routes is the definition's clipped sum."""
+    from jaxtrace._per_example._pass import Call
+
+    model, batch_ = f64(EveryRoute(KEY)), every_route_batch(b)
+    if b > 1:  # every route is taken (not a test of nothing); traced only
+        paths = []
+        jax.make_jaxpr(lambda *a: paths.extend(Call(every_route_losses, 0, "vmap", False, a, {}).leaf_paths()))(model, *batch_)
+        assert {p for p, _ in paths} == {"factors", "exact"}, paths
+    losses, (grads, sq) = maybe_jit(jt.value_grad_and_norms(every_route_losses))(model, *batch_)
+    ref = eqx.filter_jit(oracle_per_example)(every_route_losses, model, *batch_)
+    np.testing.assert_allclose(losses, ref.losses, rtol=1e-12)
+    for ours, want in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.tree.map(lambda r: jnp.mean(r, axis=0), ref.grads))):
+        assert ours.dtype == F64
+        np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
+    for ours, want in zip(jax.tree.leaves(sq), jax.tree.leaves(ref.sq_norms)):
+        np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
+    # clipped_grad's weighted sum takes the same routes (the bound bites for about half the examples)
+    c = float(jnp.median(jnp.sqrt(ref.total)))
+    clipped = maybe_jit(jt.clipped_grad(every_route_losses, c))(model, *batch_)[1]
+    for ours, want in zip(jax.tree.leaves(clipped), jax.tree.leaves(ref.clipped(c))):
+        np.testing.assert_allclose(ours, want, rtol=1e-10, atol=1e-13)
+
+
+def test_the_gradient_is_not_formed_twice():
+    """XLA's flop count: where the norms form each example's weight gradient (a convolution at many
+    positions, an RNN's weights over its steps), the gradient is their sum, and the backward pass's own
+    weight gradient is left out of the program: the step costs about the plain one, not one weight
+    gradient more (the scan unrolled, so that each step's products are counted); nor does
+    ``clipped_grad``, whose weighted sum is of the same per-example gradients."""
+
+    class RNN(eqx.Module):
+        w: jax.Array
+        u: jax.Array
+
+        def __call__(self, xs):
+            h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ self.w + x @ self.u), None), jnp.zeros(32), xs, unroll=True)
+            return jnp.sum(h**2)
+
+    class CNN(eqx.Module):
+        convs: list
+
+        def __call__(self, x):
+            for conv in self.convs:
+                x = jax.nn.relu(conv(x))
+            return jnp.sum(x.mean((1, 2)) ** 2)
+
+    k = jax.random.split(KEY, 4)
+    rnn = RNN(0.2 * jax.random.normal(k[0], (32, 32)), 0.2 * jax.random.normal(k[1], (8, 32)))
+    cnn = CNN([eqx.nn.Conv2d(3, 16, 3, padding=1, key=k[2]), eqx.nn.Conv2d(16, 32, 3, stride=2, padding=1, key=k[3])])
+    for model, x in ((rnn, jnp.ones((8, 24, 8))), (cnn, jnp.ones((8, 3, 16, 16)))):
+        losses = lambda m, x: jax.vmap(m)(x)  # noqa: E731
+        arrays, static = eqx.partition(model, eqx.is_array)
+
+        def flops(f):
+            compiled = jax.jit(lambda a, x: f(eqx.combine(a, static), x)).lower(arrays, x).compile()
+            cost = compiled.cost_analysis()
+            return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+        plain = flops(eqx.filter_value_and_grad(lambda m, x: jnp.mean(losses(m, x))))
+        ours = flops(jt.value_grad_and_norms(losses))
+        clipped = flops(jt.clipped_grad(losses, 1.0))
+        assert ours <= 1.12 * plain, (type(model).__name__, ours / plain)
+        assert clipped <= 1.12 * plain, (type(model).__name__, clipped / plain)
+
+
 # --- the ring buffer -------------------------------------------------------------------------------
 
 

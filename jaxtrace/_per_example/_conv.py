@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._factors import HIGHEST, Use, finite
+from ._factors import HIGHEST, Use, example_weights, finite
 
 __all__ = ["ConvUse", "conv_pads", "conv_sq_norm", "conv_weighted_sum"]
 
@@ -189,8 +189,9 @@ def conv_sq_norm(uses: list, dtype) -> jax.Array:
     return sum(jnp.sum(jnp.square(k).reshape(k.shape[0], -1), axis=1) for k in blocks)
 
 
-def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
-    """``sum_i weights[i] G_i`` of one convolution call, in the leaf's ``shape``; with ``nan_safe``, the
+def conv_weighted_sum(use: ConvUse, weights, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
+    """``sum_i weights[i] G_i`` of one convolution call (``weights`` ``None``: every weight 1, the batch
+    gradient), in the leaf's ``shape``; with ``nan_safe``, the
     non-finite entries of its input and output gradient read as zeros (``_factors.weighted_sum``).
 
     From ``G_i``'s blocks (the very contractions the norm forms, so that the two share them in one
@@ -205,11 +206,13 @@ def conv_weighted_sum(use: ConvUse, weights: jax.Array, shape: tuple, dtype, nan
     sum is not finite was no faster on the CNN, within the noise of XLA:CPU, and its branch held
     an all-reduce of its own under FSDP.)
     """
-    w = weights.astype(dtype)
     if not use.gram():
         zero = finite if nan_safe else (lambda k: k)
+        w = example_weights(weights, use.x.shape[0], dtype)
         return jnp.reshape(use.leaf_layout([jnp.tensordot(w, zero(k), 1) for k in use.per_offset(dtype)]), shape)
     if nan_safe:
         use = dataclasses.replace(use, x=finite(use.x), g=finite(use.g))
-    g = use.g.astype(dtype) * w.reshape(-1, *[1] * (use.g.ndim - 1))
+    g = use.g.astype(dtype)
+    if weights is not None:
+        g = g * weights.astype(dtype).reshape(-1, *[1] * (use.g.ndim - 1))
     return jnp.reshape(use.weight_grad(g, dtype), shape)

@@ -31,7 +31,7 @@ def _sq_norm(uses: list, dtype) -> jax.Array:
     return factors_sq_norm([u.expand(dtype) if c else u for u, c in zip(uses, convs)], dtype)
 
 
-def _weighted_sum(uses: list, weights: jax.Array, shape: tuple, dtype, nan_safe: bool) -> jax.Array:
+def _weighted_sum(uses: list, weights, shape: tuple, dtype, nan_safe: bool) -> jax.Array:
     """``sum_i weights[i] g_i`` over examples, in the leaf's ``shape``."""
     rest = [u for u in uses if not isinstance(u, ConvUse)]
     parts = [conv_weighted_sum(u, weights, shape, dtype, nan_safe) for u in uses if isinstance(u, ConvUse)]
@@ -52,8 +52,8 @@ def sq_norm(uses: list, dtype) -> jax.Array:
 
 
 def weighted_sum(uses: list, weights, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
-    """``sum_i weights[i] g_i`` over examples, in the leaf's ``shape``, from the leaf's uses; with
-    ``nan_safe``, non-finite factor entries read as zeros (an example of weight 0 adds zeros, not ``0 * nan``)."""
+    """``sum_i weights[i] g_i`` over examples, in the leaf's ``shape``, from the leaf's uses (``weights``
+    ``None``: every weight 1, the batch gradient); with ``nan_safe``, non-finite factor entries read as zeros (an example of weight 0 adds zeros, not ``0 * nan``)."""
     whole = [u for u in uses if not isinstance(u, tuple)]
     steps = [u[1] for u in uses if isinstance(u, tuple)]
     if not steps:

@@ -29,7 +29,7 @@ from .._program import Program
 from .._sites import TagError
 from .._stateful import lift
 from .._tag import opened
-from ._factors import Use, examples_first, finite, over_loops, with_rows
+from ._factors import Use, example_weights, examples_first, finite, over_loops, with_rows
 from ._groups import call_groups
 from ._leaf_sums import sq_norm, step_module, weighted_sum
 from ._meetings import Replay, shared_gradient
@@ -242,11 +242,6 @@ class Call:
         """The pullback of ``sum(losses)``: ``(leaf gradients, tag gradients)``."""
         (leaf_cts,), tag_cts = self.pullback(jnp.ones_like(self.losses))
         return leaf_cts, tag_cts
-
-    def sum_grads(self) -> list:
-        """The gradient of ``sum(losses)``, per leaf in the order of ``plan.leaves``: the pass's own
-        backward, the one the norms read their output gradients from (no second pullback)."""
-        return list(self._first_pullback[0])
 
     def _layer_inputs(self, layer, group, tag_cts):
         """``(x, g, (axis, inner))`` of the layer's calls in ``group`` (``_groups.Group``: the calls of one
@@ -470,7 +465,8 @@ class Call:
         ]
 
     def weighted_grads(self, weights, nan_safe: bool = False):
-        """Per-leaf ``sum_i weights[i] g_i`` (the clipped sum, for clipping weights), in the leaves' dtypes.
+        """Per-leaf ``sum_i weights[i] g_i`` (the clipped sum, for clipping weights; ``weights`` ``None``:
+        every weight 1, the gradient of ``sum(losses)``), in the leaves' dtypes.
         With ``nan_safe``, the non-finite entries of the factors (and exact-path rows) read as zeros: an
         example of weight 0 for a non-finite norm adds zeros (its factors hold ``nan``, and ``0 * nan`` is
         ``nan``); one whose norm is finite has none.
@@ -480,6 +476,8 @@ class Call:
         leaves, dtypes = self.plan.leaves, self._dtypes
         if self.batch == 1:
             leaf_cts, _ = self._first_pullback
+            if weights is None:
+                return list(leaf_cts)
             z = finite if nan_safe else (lambda c: c)
             return [(weights[0].astype(dt) * z(c.astype(dt))).astype(c.dtype) for c, dt in zip(leaf_cts, dtypes)]
         uses, zero, _, _ = self._factors
@@ -491,7 +489,8 @@ class Call:
                 g = jnp.zeros(jnp.shape(leaf), dtypes[i])
             else:
                 rows = self._exact_grads[i].astype(dtypes[i])
-                g = jnp.tensordot(weights.astype(dtypes[i]), finite(rows) if nan_safe else rows, 1)
+                rows = finite(rows) if nan_safe else rows
+                g = jnp.tensordot(example_weights(weights, self.batch, dtypes[i]), rows, 1)
             out.append(g.astype(jnp.result_type(leaf)))
         return out
 

@@ -80,9 +80,12 @@ def value_grad_and_norms(fun: Callable, argnums: int = 0, *, fallback: str = "vm
     What a training step needs (the gradient of ``mean(losses)``) and what tells, when the loss
     spikes, which examples and which layers made it (``|d losses[i] / d leaf|**2`` for every
     example and leaf, as ``per_example_norms`` gives them), from the one forward and one backward
-    pass of ``per_example_norms``: the gradient is that pass's own backward of ``sum(losses)``
-    divided by the batch size, not a second pullback. Push the norms into a ``NormHistory``
-    carried in the train state, and read it when the loss spikes.
+    pass of ``per_example_norms``: the gradient is ``clipped_grad``'s sum with every weight 1,
+    divided by the batch size, from the factors the norms read (where a norm forms each example's
+    gradient of a leaf, as for a convolution at many positions or a weight read at many steps of
+    a scan, their sum; XLA then leaves the backward pass's own weight gradient out), not a second
+    pullback. Push the norms into a ``NormHistory`` carried in the train state, and read it when
+    the loss spikes.
 
     Args:
         fun: ``fun(model, *batch, **kwargs)`` returns one loss per example, shape ``(B,)``
@@ -119,7 +122,7 @@ def value_grad_and_norms(fun: Callable, argnums: int = 0, *, fallback: str = "vm
         sq = call.sq_norms()
         call.write_back()
         value = (call.losses, call.aux) if has_aux else call.losses
-        grads = [(g / call.batch).astype(g.dtype) for g in call.sum_grads()]
+        grads = [(g / call.batch).astype(g.dtype) for g in call.weighted_grads(None)]
         return value, (call.plan.out(grads), call.plan.out(sq))
 
     return value_grad_and_norms_fun
