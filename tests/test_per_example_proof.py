@@ -81,6 +81,38 @@ def test_position_embedding_of_a_jitted_or_checkpointed_loss_function_is_on_fact
     check(losses, GPT(KEYS[1]), IDS, jit=True)
 
 
+def _tag_names(jaxpr) -> list:
+    """The names of the tags in ``jaxpr`` and in every body it holds."""
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "jaxtrace_tag":
+            names.append(eqn.params["name"])
+        for value in eqn.params.values():
+            for body in value if isinstance(value, (tuple, list)) else (value,):
+                body = getattr(body, "jaxpr", body)
+                if hasattr(body, "eqns"):
+                    names += _tag_names(body)
+    return names
+
+
+def test_the_plan_says_what_each_of_its_tags_marks():
+    """Each tag the plan puts on a covered layer's call has its role in ``Plan.roles``, by name: the
+    layer's output, its input or one of its parameters (what the proof reads, never parsed back)."""
+    from jaxtrace._per_example._plan import TagKind, plan_for
+
+    model = GPT(KEYS[0])
+    plan = plan_for(model)
+    names = set(_tag_names(jax.make_jaxpr(lambda leaves: lm_losses(plan.run_model(leaves), IDS))(plan.leaves).jaxpr))
+    assert {r.kind for r in map(plan.roles.get, names) if r is not None} == set(TagKind)
+    assert names <= set(plan.roles)
+    by_kind = {TagKind.OUTPUT: "{0}", TagKind.INPUT: "{0}:in", TagKind.PARAM: "{0}:params:{1}"}
+    for name, role in plan.roles.items():
+        assert name == by_kind[role.kind].format(role.layer, role.attribute)
+    assert {layer.path for layer in plan.layers} == {r.layer for r in plan.roles.values()}
+    params = {(r.layer, r.attribute) for r in plan.roles.values() if r.kind is TagKind.PARAM}
+    assert {(layer.path, a) for layer in plan.layers for a in layer.leaves} <= params
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_negative_embedding_ids_select_rows_from_the_end(jit):
     ids = IDS.at[0, 0].set(-1).at[0, 1].set(V - 1)  # the same row twice in one example

@@ -29,7 +29,10 @@ which loss each element reaches, ``_shared_uses``, where a shared value meets th
 ``table[ids]``, ``table[:n]``, ``h @ W.T``), ``_uses`` (leaves used outside their layers), ``_meetings``
 (the program replayed with a tag where a shared value meets the examples, and each example's gradient
 back from it), ``_conv`` (a convolution's per-example gradient), ``_leaf_sums`` (a leaf's norm and
-weighted sum from its uses, scan steps included), ``_pass`` (the one pass and the norms from it),
+weighted sum from its uses, scan steps included), ``_traced`` (``fun`` traced once on the tagged
+model), ``_contributions`` (one record per contribution to a leaf's gradient: a layer's calls, a read,
+a whole leaf; and the factors each gives), ``_find`` (those contributions found in the program and
+proven), ``_pass`` (the one pass and the norms from it, one loop over the contributions),
 ``_transforms`` (the public functions), ``_audit`` (the fast path checked against the definition).
 Every analysis of the traced program is a table of rules on the one walk (``jaxtrace._walker``).
 """

@@ -9,12 +9,13 @@ A layer's per-example parameter gradient is ``sum_k outer(a_k, b_k)`` over posit
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HIGHEST", "Index", "Use", "example_weights", "examples_first", "finite", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
+__all__ = ["HIGHEST", "Index", "Loop", "PerStep", "Use", "example_weights", "examples_first", "finite", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -51,6 +52,21 @@ class Use:
     b: Optional[jax.Array]
     out: str = "a"
     rows: Any = None
+
+
+class Loop(enum.StrEnum):
+    """How a ``lax.scan`` around a read or a layer's call holds the leaf."""
+
+    STEPPED = "stepped"  # the scan runs over the leaf's leading axis: its body reads one step's slice
+    REPEATED = "repeated"  # the scan's body closes over the leaf: it reads the whole leaf at every step
+
+
+@dataclasses.dataclass(frozen=True)
+class PerStep:
+    """One slice of a leaf per ``lax.scan`` step (a layer stacked in a scan): ``use``'s arrays have a
+    leading steps axis, and each step's slice is a parameter of its own (no cross terms between steps)."""
+
+    use: Any
 
 
 # Pytrees, so that the factors of a layer stacked in ``lax.scan`` can be mapped over its steps.
@@ -96,15 +112,14 @@ def positions_over_steps(use: Use) -> Use:
 
 
 def over_loops(factors, loops: tuple, x, g):
-    """The ``Use`` of a leaf read in the body of nested scans ``loops`` (outermost first: ``"stepped"``,
-    a scan over the leaf's leading axis, its body reading one step's slice; ``"repeated"``, a scan whose
-    body closes over it), from the values ``x`` and gradients ``g`` recorded there (one leading axis per
-    loop) and ``factors(x, g)`` of one step's (a ``Use`` or ``None``; or a dict of them, one per leaf of a
-    layer, mapped alike). The repeated loops' positions lie side by side; under a stepped loop (one at
-    most) it is ``("steps", Use)``, the steps on the ``Use``'s leading axis, each step's slice a parameter
-    of its own. ``None`` where ``factors`` gives ``None``, or a convolution's factors under a repeated loop."""
+    """The ``Use`` of a leaf read in the body of nested scans ``loops`` (``Loop``s, outermost first),
+    from the values ``x`` and gradients ``g`` recorded there (one leading axis per loop) and ``factors(x,
+    g)`` of one step's (a ``Use`` or ``None``; or a dict of them, one per leaf of a layer, mapped alike).
+    The repeated loops' positions lie side by side; under a stepped loop (one at most) it is a
+    ``PerStep``, the steps on the ``Use``'s leading axis. ``None`` where ``factors`` gives ``None``, or a
+    convolution's factors under a repeated loop."""
     use = _over_loops(factors, loops, x, g)
-    mark = lambda u: ("steps", u) if u is not None and "stepped" in loops else u  # noqa: E731
+    mark = lambda u: PerStep(u) if u is not None and Loop.STEPPED in loops else u  # noqa: E731
     return {k: mark(u) for k, u in use.items()} if isinstance(use, dict) else mark(use)
 
 
@@ -112,13 +127,13 @@ def _over_loops(factors, loops: tuple, x, g):
     if not loops:
         return factors(x, g)
     use = jax.vmap(lambda xs, gs: _over_loops(factors, loops[1:], xs, gs))(x, g)
-    if use is None or loops[0] == "stepped":
+    if use is None or loops[0] == Loop.STEPPED:
         return use
 
     def side_by_side(u):  # a convolution's factors keep their own layout: no positions to add to
         if not isinstance(u, Use):
             return None
-        return jax.vmap(positions_over_steps, in_axes=1)(u) if "stepped" in loops[1:] else positions_over_steps(u)
+        return jax.vmap(positions_over_steps, in_axes=1)(u) if Loop.STEPPED in loops[1:] else positions_over_steps(u)
 
     return {k: side_by_side(u) for k, u in use.items()} if isinstance(use, dict) else side_by_side(use)
 

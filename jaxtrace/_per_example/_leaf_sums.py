@@ -1,7 +1,7 @@
 """A leaf's per-example results from its uses, whatever their kinds: the squared norm of each
 example's gradient and the weighted sum of the examples' gradients.
 
-A use is a ``Use`` or a ``ConvUse`` of the whole leaf, or ``("steps", use)``: one slice of the leaf
+A use is a ``Use`` or a ``ConvUse`` of the whole leaf, or a ``PerStep``: one slice of the leaf
 per ``lax.scan`` step (layers stacked in a scan), whose slices are parameters of their own (no
 cross terms between steps).
 
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ._conv import ConvUse, conv_sq_norm, conv_weighted_sum
+from ._factors import PerStep
 from ._factors import sq_norm as factors_sq_norm
 from ._factors import weighted_sum as factors_weighted_sum
 
@@ -43,8 +44,8 @@ def _weighted_sum(uses: list, weights, shape: tuple, dtype, nan_safe: bool) -> j
 def sq_norm(uses: list, dtype) -> jax.Array:
     """Squared norm of each example's gradient, ``(B,)``, from the leaf's uses: whole-leaf uses
     together, plus each scan step's slice on its own (no cross terms between steps)."""
-    whole = [u for u in uses if not isinstance(u, tuple)]
-    steps = [u[1] for u in uses if isinstance(u, tuple)]
+    whole = [u for u in uses if not isinstance(u, PerStep)]
+    steps = [u.use for u in uses if isinstance(u, PerStep)]
     total = _sq_norm(whole, dtype) if whole else 0.0
     if steps:
         total = total + jnp.sum(jax.vmap(lambda us: _sq_norm(us, dtype))(steps), axis=0)
@@ -54,8 +55,8 @@ def sq_norm(uses: list, dtype) -> jax.Array:
 def weighted_sum(uses: list, weights, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
     """``sum_i weights[i] g_i`` over examples, in the leaf's ``shape``, from the leaf's uses (``weights``
     ``None``: every weight 1, the batch gradient); with ``nan_safe``, non-finite factor entries read as zeros (an example of weight 0 adds zeros, not ``0 * nan``)."""
-    whole = [u for u in uses if not isinstance(u, tuple)]
-    steps = [u[1] for u in uses if isinstance(u, tuple)]
+    whole = [u for u in uses if not isinstance(u, PerStep)]
+    steps = [u.use for u in uses if isinstance(u, PerStep)]
     if not steps:
         return _weighted_sum(whole, weights, shape, dtype, nan_safe)
     per_step = jax.vmap(lambda us: _weighted_sum(us, weights, shape[1:], dtype, nan_safe))(steps)

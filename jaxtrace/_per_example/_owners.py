@@ -2,15 +2,16 @@
 
 ``Axis(unit)``: the element with flat index ``f`` reaches only the loss of example
 ``(f // unit) % B``; ``Step(level, inner)``: it is in the body of a scan whose steps are the
-examples (``lax.map`` over the batch) and reaches only the loss of its step's example; ``Every(kind,
-eqn)``: it may reach every example's loss; ``None``: no loss. ``OWNERS`` maps a primitive's name to its rule ``(analysis, eqn, output states, ctx) ->
+examples (``lax.map`` over the batch) and reaches only the loss of its step's example; ``Every(reach,
+eqn)``: it may reach every example's loss (``Reach``: why); ``None``: no loss. ``OWNERS`` maps a primitive's name to its rule ``(analysis, eqn, output states, ctx) ->
 operand states`` (``None`` where the rule cannot read the layout: the operands then reach every
-loss, "unknown"). The analysis that runs them is ``_proof``.
+loss, ``Reach.UNKNOWN``). The analysis that runs them is ``_proof``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 from .. import _compat
 from .._elementwise import ELEMENTWISE
 
-__all__ = ["Axis", "ELEMENTWISE", "Every", "MULTI", "OWNERS", "SHAPE_ONLY", "Step", "axis_of", "elementwise", "inexact", "register", "shape_of", "unit"]
+__all__ = ["Axis", "ELEMENTWISE", "Every", "MULTI", "OWNERS", "Positions", "Reach", "SHAPE_ONLY", "Step", "axis_of", "elementwise", "inexact", "register", "shape_of", "unit"]
 
 # --- ownership states ---------------------------------------------------------
 
@@ -41,13 +42,31 @@ class Step:
     inner: int = 1
 
 
+class Reach(enum.StrEnum):
+    """Why a value reaches every example's loss (``Every.kind``)."""
+
+    SHARED = "shared"  # a value broadcast to every example
+    MIX = "mix"  # an operation that reads several examples
+    UNKNOWN = "unknown"  # no rule reads the layout: no claim is made
+
+
 @dataclasses.dataclass(frozen=True)
 class Every:
-    """Reaches every example's loss. ``kind``: "shared" (a value broadcast to every example),
-    "mix" (an operation that reads several examples), "unknown" (no rule); ``eqn``: where."""
+    """Reaches every example's loss: ``kind`` says why (a ``Reach``), ``eqn`` where."""
 
-    kind: str
+    kind: Reach
     eqn: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", Reach(self.kind))  # (a ``Reach``'s value names it as well)
+
+
+class Positions(enum.StrEnum):
+    """What an integer array known to hold positions holds (the analysis's ``iota`` facts, a tuple led by one of these)."""
+
+    IOTA = "iota"  # (IOTA, axis): each entry its own index along ``axis`` (``arange``)
+    FALSE = "false"  # (FALSE,): a mask false everywhere (``arange(n) < 0``, as jnp indexing builds it)
+    COMPONENTS = "components"  # (COMPONENTS, axis, {k: axis_k}): index vectors along ``axis``, component k an IOTA along axis_k
 
 
 def axis_of(shape: Sequence[int], state: Axis, batch: int) -> Optional[tuple[int, int]]:
@@ -101,13 +120,13 @@ def elementwise(an, eqn, outs, ctx):
     for a in eqn.invars:
         shape = shape_of(a)
         if where is None:  # keep the flat pattern where shapes agree
-            ins.append(outs[0] if shape == out_shape else Every("unknown", eqn))
+            ins.append(outs[0] if shape == out_shape else Every(Reach.UNKNOWN, eqn))
         elif len(shape) != len(out_shape):
-            ins.append(Every("shared", eqn))  # a scalar operand reaches every example
+            ins.append(Every(Reach.SHARED, eqn))  # a scalar operand reaches every example
         elif shape[where[0]] == out_shape[where[0]]:
             ins.append(unit(shape, *where))
         else:
-            ins.append(Every("shared", eqn))  # broadcast along the examples (a size-1 axis)
+            ins.append(Every(Reach.SHARED, eqn))  # broadcast along the examples (a size-1 axis)
     return ins
 
 
@@ -121,7 +140,7 @@ def _broadcast(an, eqn, outs, ctx):
     rest = [None] * (len(eqn.invars) - 1)
     if where[0] in dims and shape[dims.index(where[0])] == out_shape[where[0]]:
         return [unit(shape, dims.index(where[0]), where[1]), *rest]
-    return [Every("shared", eqn), *rest]
+    return [Every(Reach.SHARED, eqn), *rest]
 
 
 @register("reshape", "squeeze", "expand_dims")
@@ -159,7 +178,7 @@ def _along(an, eqn, outs, ctx):
     if where is None:
         return None
     if where[0] in {int(a) for a in axes}:
-        return [Every("mix", eqn)]
+        return [Every(Reach.MIX, eqn)]
     return [outs[0]]
 
 
@@ -178,7 +197,7 @@ def _sorted(an, eqn, outs, ctx):
         return None
     where = next(iter(wheres))
     if where[0] == axis:
-        return [Every("mix", eqn)] * len(eqn.invars)
+        return [Every(Reach.MIX, eqn)] * len(eqn.invars)
     return [unit(shape_of(a), *where) for a in eqn.invars]
 
 
@@ -195,8 +214,8 @@ def _dot(an, eqn, outs, ctx):
     if j < len(lb):
         return [unit(lhs, int(lb[j]), inner), unit(rhs, int(rb[j]), inner)]
     if j < len(lb) + len(lfree):
-        return [unit(lhs, lfree[j - len(lb)], inner), Every("shared", eqn)]
-    return [Every("shared", eqn), unit(rhs, rfree[j - len(lb) - len(lfree)], inner)]
+        return [unit(lhs, lfree[j - len(lb)], inner), Every(Reach.SHARED, eqn)]
+    return [Every(Reach.SHARED, eqn), unit(rhs, rfree[j - len(lb) - len(lfree)], inner)]
 
 
 @register("conv_general_dilated")
@@ -205,7 +224,7 @@ def _conv(an, eqn, outs, ctx):
     dn = eqn.params["dimension_numbers"]
     if where is None or eqn.params.get("batch_group_count", 1) != 1 or where[0] != dn.out_spec[0]:
         return None
-    return [unit(shape_of(eqn.invars[0]), int(dn.lhs_spec[0]), where[1]), Every("shared", eqn)]
+    return [unit(shape_of(eqn.invars[0]), int(dn.lhs_spec[0]), where[1]), Every(Reach.SHARED, eqn)]
 
 
 @register("gather")
@@ -223,7 +242,7 @@ def _gather(an, eqn, outs, ctx):
         od = [d for d in range(len(operand)) if d not in collapsed][offset.index(j)]
         if sizes[od] != operand[od] or od in dn.start_index_map:
             return None
-        return [unit(operand, od, inner), Every("shared", eqn)]
+        return [unit(operand, od, inner), Every(Reach.SHARED, eqn)]
     # an output batch dimension: an axis of the indices (their last axis holds the index vector)
     batch_out = [d for d in range(len(out_shape)) if d not in offset]
     idim = [d for d in range(len(indices) - 1)][batch_out.index(j)]
@@ -232,12 +251,12 @@ def _gather(an, eqn, outs, ctx):
     if idim in ibd:
         return [unit(operand, int(obd[ibd.index(idim)]), inner), idx_state]
     info = an.iota.get((ctx, eqn.invars[1])) if not isinstance(eqn.invars[1], _compat.Literal) else None
-    if inner == 1 and info and info[0] == "components" and info[1] == len(indices) - 1:
+    if inner == 1 and info and info[0] == Positions.COMPONENTS and info[1] == len(indices) - 1:
         for k, d in info[2].items():
             od = dn.start_index_map[k]
             if d == idim and od in collapsed and operand[od] == an.batch:
                 return [unit(operand, od, 1), idx_state]
-    return [Every("shared", eqn), idx_state]
+    return [Every(Reach.SHARED, eqn), idx_state]
 
 
 @register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
@@ -255,7 +274,7 @@ def _reduce_window(an, eqn, outs, ctx):
     n = len(eqn.outvars)  # the generic reduce_window: its operands, then their initial values
     if any(axis_of(shape_of(v), s, an.batch) != where for v, s in zip(eqn.outvars, outs) if s is not None):
         return None
-    return [unit(shape_of(a), *where) for a in eqn.invars[:n]] + [Every("shared", eqn)] * (len(eqn.invars) - n)
+    return [unit(shape_of(a), *where) for a in eqn.invars[:n]] + [Every(Reach.SHARED, eqn)] * (len(eqn.invars) - n)
 
 
 @register("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
@@ -310,7 +329,7 @@ def _pad(an, eqn, outs, ctx):
     shape = shape_of(eqn.invars[0])
     if where is None or tuple(eqn.params["padding_config"][where[0]]) != (0, 0, 0):
         return None  # padding along the examples' axis moves them (negative low and positive high padding)
-    return [unit(shape, *where), Every("shared", eqn)]
+    return [unit(shape, *where), Every(Reach.SHARED, eqn)]
 
 
 @register("concatenate")

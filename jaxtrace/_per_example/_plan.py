@@ -1,9 +1,9 @@
 """The plan of a model: its differentiated leaves, and which covered layer uses which.
 
 ``plan_for(model)`` tags an equinox or Flax NNX model's covered layers (their inputs,
-outputs and parameters), lists its differentiated leaves in the order of its gradients'
-leaves, and maps each covered layer's parameters to those leaves, with the leaf names and
-owning modules that errors name. The steps are one function for both frameworks; what
+outputs and parameters; ``Plan.roles`` says what each of those tags marks, by its name), lists
+its differentiated leaves in the order of its gradients' leaves, and maps each covered layer's
+parameters to those leaves, with the leaf names and owning modules that errors name. The steps are one function for both frameworks; what
 differs is a small adapter each (``_Equinox``, ``_Nnx``): the tree the gradients mirror and
 which of its leaves are differentiated, where a layer's parameter sits in it (tied weights
 and ``eqx.nn.Shared`` resolved), how the model is rebuilt from leaves, and (NNX) the state a
@@ -13,18 +13,37 @@ call changes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from .._frameworks import is_equinox_module, is_nnx_module
+from .._module_tags import INPUT_SUFFIX, PARAMS_SUFFIX
 from .._paths import key_name, path_name
 from .._tag import new_scope
 from .._tag_modules import tag_module_calls
 from ._rules import Rule, ensure_rules, rule_for
 
-__all__ = ["Layer", "Plan", "plan_for"]
+__all__ = ["Layer", "Plan", "TagKind", "TagRole", "plan_for"]
+
+
+class TagKind(enum.Enum):
+    """What a tag of a covered layer marks."""
+
+    OUTPUT = "output"  # its output, named by the layer's path
+    INPUT = "input"  # its positional inputs, ``"<path>:in"``
+    PARAM = "param"  # one of its parameters where it reads it, ``"<path>:params:<attribute>"``
+
+
+@dataclasses.dataclass(frozen=True)
+class TagRole:
+    """What one of the plan's tags marks, looked up by the tag's name (``Plan.roles``), never parsed from it."""
+
+    kind: TagKind
+    layer: str  # the covered layer's path
+    attribute: Optional[str] = None  # for a ``PARAM``: the parameter's attribute name
 
 
 @dataclasses.dataclass
@@ -52,6 +71,7 @@ class Plan:
     state_of: Callable = lambda model: ()  # the model after a call -> the state it changed (NNX: RNG counts, statistics)
     write_back: Callable = lambda state: None  # that state -> written into the user's model, as nnx.grad does
     scope: Any = None  # the scope of the layers' tags (``_tag.scoped``): seen by the pass only, not by transforms around it
+    roles: dict = dataclasses.field(default_factory=dict)  # tag name -> TagRole, for every tag of a covered layer
 
 
 def plan_for(model) -> Plan:
@@ -86,7 +106,18 @@ def plan_for(model) -> Plan:
         blocked={rank[i] for i in frame.blocked if i in rank},
         **frame.rebuild(diff),
         scope=scope,
+        roles=_roles(records),
     )
+
+
+def _roles(records: list) -> dict:
+    """``{tag name: TagRole}`` for the tags ``tag_module_calls`` puts on the recorded layers' calls."""
+    roles = {}
+    for path, module, rule in records:
+        roles[path] = TagRole(TagKind.OUTPUT, path)
+        roles[path + INPUT_SUFFIX] = TagRole(TagKind.INPUT, path)
+        roles.update({path + PARAMS_SUFFIX + a: TagRole(TagKind.PARAM, path, a) for a in rule.params(module)})
+    return roles
 
 
 def _adapter_for(model) -> type:
