@@ -29,6 +29,7 @@ from ._contributions import LayerCalls, LeafRead, Meeting, WholeLeaf
 from ._factors import Loop
 from ._groups import call_groups
 from ._meetings import Replay
+from ._plan import input_tags, layer_roles
 from ._proof import prove
 from ._reads import find_reads
 
@@ -85,7 +86,7 @@ def find_contributions(traced) -> Contributions:
     plan, jaxpr, batch = traced.plan, traced.jaxpr, traced.batch
     n_leaves = len(plan.leaves)
     paths = {layer.path for layer in plan.layers}
-    reads = {f"{plan.names[r.leaf]}:read:{k}": r for k, r in enumerate(find_reads(jaxpr, n_leaves, paths))}
+    reads = {f"{plan.names[r.leaf]}:read:{k}": r for k, r in enumerate(find_reads(jaxpr, n_leaves, input_tags(plan)))}
     read_leaves = {r.leaf for r in reads.values()}
     whole = {f"{plan.names[i]}:whole": i for i in range(n_leaves) if i not in read_leaves}
     in_scans = _in_scans(jaxpr, set(whole.values()))
@@ -93,7 +94,7 @@ def find_contributions(traced) -> Contributions:
         f"{plan.names[i]}:whole:{'steps' if Loop.STEPPED in loops else 'repeated'}": i for i, (_, _, loops) in in_scans.items()
     }
     proof = prove(
-        jaxpr, n_leaves, batch, paths,
+        jaxpr, n_leaves, batch, layer_roles(plan),
         {name: (r.eqn.outvars[0], r.ctx) for name, r in reads.items()} | {name: (jaxpr.invars[i], ()) for name, i in whole.items()},
         {name: in_scans[i][:2] for name, i in scanned.items()},
     )

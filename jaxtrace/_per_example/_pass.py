@@ -30,6 +30,7 @@ from ._contributions import Cut, Reasons, Recorded, compute_dtype
 from ._factors import PerStep, example_weights, finite
 from ._find import find_contributions
 from ._leaf_sums import sq_norm, weighted_sum
+from ._plan import input_tags
 from ._traced import TracedFun
 from ._uses import used_outside
 
@@ -107,7 +108,7 @@ class Call:
             for leaf, leaf_uses in got.items():
                 uses.setdefault(leaf, []).extend(leaf_uses)
             cut = cut | part.cut(set(got))
-        outside = used_outside(self.traced.jaxpr, n_leaves, cut.owned, cut.reads, cut.whole)
+        outside = used_outside(self.traced.jaxpr, n_leaves, cut.owned, cut.reads, cut.whole, input_tags(self.plan))
         why = {i: reasons.layer.get(i, _NO_RULE) for i in range(n_leaves)}
         for i in outside:
             if i in uses:

@@ -26,7 +26,7 @@ from .._tag import new_scope
 from .._tag_modules import tag_module_calls
 from ._rules import Rule, ensure_rules, rule_for
 
-__all__ = ["Layer", "Plan", "TagKind", "TagRole", "plan_for"]
+__all__ = ["Layer", "Plan", "TagKind", "TagRole", "input_tags", "layer_roles", "plan_for"]
 
 
 class TagKind(enum.Enum):
@@ -108,6 +108,17 @@ def plan_for(model) -> Plan:
         scope=scope,
         roles=_roles(records),
     )
+
+
+def layer_roles(plan: Plan) -> dict:
+    """``{tag name: TagRole}`` of the tags of ``plan``'s layers (none where the plan runs the untagged model)."""
+    paths = {layer.path for layer in plan.layers}
+    return {name: role for name, role in plan.roles.items() if role.layer in paths}
+
+
+def input_tags(plan: Plan) -> dict:
+    """``{tag name: layer path}`` of the tags that mark ``plan``'s layers' inputs."""
+    return {name: role.layer for name, role in layer_roles(plan).items() if role.kind is TagKind.INPUT}
 
 
 def _roles(records: list) -> dict:

@@ -97,8 +97,9 @@ class Proof:
         return found.pop()[:2] if len(found) == 1 else None
 
 
-def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[dict] = None, in_scans: Optional[dict] = None) -> Proof:
-    """Reads ``jaxpr`` (invars: the leaves, then nothing; outvar 0: the losses ``(batch,)``).
+def prove(jaxpr, n_leaves: int, batch: int, roles: dict, reads: Optional[dict] = None, in_scans: Optional[dict] = None) -> Proof:
+    """Reads ``jaxpr`` (invars: the leaves, then nothing; outvar 0: the losses ``(batch,)``); ``roles``
+    maps the tag names of the covered layers to their ``TagRole`` (``Plan.roles``).
 
     ``reads`` maps a name to ``(var, ctx)``: the output of an equation (in the calls ``ctx``) that
     reads a leaf outside its layers (``_reads``), or a leaf itself; where that value is shared by
@@ -107,7 +108,7 @@ def prove(jaxpr, n_leaves: int, batch: int, layer_paths: set, reads: Optional[di
     in it (one step's slice of a leaf, or the leaf itself), whose meetings with the examples in that
     body are listed the same way.
     """
-    forward = Forward(layer_paths)
+    forward = Forward(roles)
     forward.forward(jaxpr, [(Origin(i), True) for i in range(n_leaves)] + [forward.bottom] * (len(jaxpr.invars) - n_leaves))
     outs: list = [None] * len(jaxpr.outvars)
     outs[0] = Axis(1)

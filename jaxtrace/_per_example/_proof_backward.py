@@ -20,7 +20,7 @@ from .. import _compat, _equation_params, _higher_order
 from .._fused_runs import bind_equation
 from .._tag import tag_p
 from .._walker import Walker, loop_depth
-from ._owners import MULTI, OWNERS, Axis, Every, Step, axis_of, inexact, shape_of, unit
+from ._owners import MULTI, OWNERS, Axis, Every, Reach, Step, axis_of, inexact, shape_of, unit
 from ._proof_forward import Forward
 
 __all__ = ["Backward", "is_call", "join_plain"]
@@ -32,7 +32,7 @@ def join_plain(a, b):
         return b
     if b is None:
         return a
-    return a if isinstance(a, Every) else b if isinstance(b, Every) else Every("mix", None)
+    return a if isinstance(a, Every) else b if isinstance(b, Every) else Every(Reach.MIX, None)
 
 
 def is_call(eqn) -> bool:
@@ -71,23 +71,23 @@ class Backward(Walker):
         if new is None:
             return old
         if isinstance(old, Step) or isinstance(new, Step):
-            return Every("unknown", eqn)  # a step's example against another claim: no claim, never a refusal
+            return Every(Reach.UNKNOWN, eqn)  # a step's example against another claim: no claim, never a refusal
         if isinstance(old, Every) and isinstance(new, Every):
-            return old if old.kind == "mix" or new.kind != "mix" else new
+            return old if old.kind is Reach.MIX or new.kind is not Reach.MIX else new
         # Two uses disagree: one example's element also reaches other examples' losses. Not with one
         # example: there every element that reaches a loss reaches example 0's, the only one, so "one
         # example's" and "every example's" are the same claim (and ``axis_of`` may place a batch of one
         # on any axis whose size fits: ``h - h.max(-1, keepdims=True)`` must not read as a broadcast
         # along the examples).
-        every = old if isinstance(old, Every) else new if isinstance(new, Every) else Every("mix", eqn)
-        if every.kind != "unknown" and self.mixing is None and self.batch > 1 and inexact(var) and self.dep.get((ctx, var), False):
+        every = old if isinstance(old, Every) else new if isinstance(new, Every) else Every(Reach.MIX, eqn)
+        if every.kind is not Reach.UNKNOWN and self.mixing is None and self.batch > 1 and inexact(var) and self.dep.get((ctx, var), False):
             where = every.eqn if every.eqn is not None else eqn
             self.mixing = (
                 f"losses[i] depends on example j != i through {_compat.construct(where)}: a value computed "
                 "from several examples (a batch mean or variance, BatchNorm in training mode, an in-batch "
                 "contrastive loss, attention across the batch) reaches each example's loss"
             )
-        return every if every.kind != "unknown" else Every("unknown", every.eqn)
+        return every if every.kind is not Reach.UNKNOWN else Every(Reach.UNKNOWN, every.eqn)
 
     def equation(self, eqn, outs: list, ctx: tuple) -> list:
         every = next((s for s in outs if isinstance(s, Every)), None)
@@ -95,15 +95,15 @@ class Backward(Walker):
             return [every] * len(eqn.invars)
         steps = {s for s in outs if s is not None}
         if any(isinstance(s, Step) for s in steps):  # one loop step's example: so is every operand
-            return [steps.pop() if len(steps) == 1 else Every("unknown", eqn)] * len(eqn.invars)
+            return [steps.pop() if len(steps) == 1 else Every(Reach.UNKNOWN, eqn)] * len(eqn.invars)
         rule = OWNERS.get(eqn.primitive.name)
         if rule is None or len(outs) != 1 and eqn.primitive.name not in MULTI:
-            return [Every("unknown", eqn)] * len(eqn.invars)
+            return [Every(Reach.UNKNOWN, eqn)] * len(eqn.invars)
         try:
             got = rule(self, eqn, outs, ctx)
         except Exception:  # a layout the rule does not read: reaches every loss, no claim made
             got = None
-        return got if got is not None else [Every("unknown", eqn)] * len(eqn.invars)
+        return got if got is not None else [Every(Reach.UNKNOWN, eqn)] * len(eqn.invars)
 
     def tag(self, eqn, outs: list, ctx: tuple) -> list:
         occ = self.forward_walk.by_eqn.get((ctx, id(eqn)))
@@ -117,7 +117,7 @@ class Backward(Walker):
             return self.equation(eqn, outs, ctx)
         got = self.call(eqn, outs, ctx, "backward")
         if self.by_rules and not self.keeps_examples(eqn, outs, got):
-            every = Every("unknown", eqn)  # JAX differentiates it by a rule that mixes examples (or may)
+            every = Every(Reach.UNKNOWN, eqn)  # JAX differentiates it by a rule that mixes examples (or may)
             self.call(eqn, [every] * len(outs), ctx, "backward")
             return [every] * len(eqn.invars)
         return got
@@ -136,7 +136,7 @@ class Backward(Walker):
         here = Step(level, per_step) if per_step else None
         if here is not None and any(s == here and inexact(v) for v, s in zip(eqn.invars[k : k + c], carry)):
             # a float carried from one example's step to the next: not one example's values a step
-            ys = [Every("unknown", eqn) if s == here else s for s in ys]
+            ys = [Every(Reach.UNKNOWN, eqn) if s == here else s for s in ys]
             got, carry = self.loop_body_backward(eqn, outs[:c], ys, ctx)
             here = None
         xs = []
@@ -147,9 +147,9 @@ class Backward(Walker):
                 xs.append(s)
             else:
                 where = axis_of(shape_of(v)[1:], s, self.batch)
-                xs.append(unit(shape_of(v), where[0] + 1, where[1]) if where else Every("unknown", eqn))
-        consts = [Every("shared", eqn) if here is not None and s == here else s for s in got[:k]]  # read by every step
-        carry = [Every("unknown", eqn) if here is not None and s == here else s for s in carry]  # (no float: no gradient)
+                xs.append(unit(shape_of(v), where[0] + 1, where[1]) if where else Every(Reach.UNKNOWN, eqn))
+        consts = [Every(Reach.SHARED, eqn) if here is not None and s == here else s for s in got[:k]]  # read by every step
+        carry = [Every(Reach.UNKNOWN, eqn) if here is not None and s == here else s for s in carry]  # (no float: no gradient)
         return consts + carry + xs
 
     def _scan_outputs(self, eqn, outs: list, level: int) -> tuple[list, int]:
@@ -170,7 +170,7 @@ class Backward(Walker):
             elif where is not None and where[0] > 0:
                 ys.append(unit(shape_of(v)[1:], where[0] - 1, where[1]))
             else:
-                ys.append(Step(level, inner) if inner else Every("unknown", eqn))
+                ys.append(Step(level, inner) if inner else Every(Reach.UNKNOWN, eqn))
         return ys, inner
 
     # a custom derivative call's rule
@@ -204,10 +204,10 @@ class Backward(Walker):
             if isinstance(s, Axis) and inexact(a):
                 wanted.append(s)  # its cotangent must come from its own example's cotangents
             elif s is None and inexact(a):
-                wanted.append(Every("unknown", eqn))  # the body gives it no loss: nor may the rule
+                wanted.append(Every(Reach.UNKNOWN, eqn))  # the body gives it no loss: nor may the rule
             else:
                 wanted.append(None)  # reaches every loss already (or no cotangent): no constraint
-        forward = Forward(set(), by_rules=False)
+        forward = Forward({}, by_rules=False)
         forward.forward(jaxpr, [forward.bottom] * len(jaxpr.invars))
         got = Backward(self.batch, forward).backward(jaxpr, wanted)[len(jaxpr.constvars) + len(eqn.invars) :]
         for k, state in zip(diff_out, got):

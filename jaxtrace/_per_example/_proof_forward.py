@@ -21,10 +21,10 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .. import _compat, _higher_order
-from .._module_tags import INPUT_SUFFIX, PARAMS_SUFFIX  # "<path>:params:<attribute>": a layer's parameter where it reads it
 from .._tag import tag_p
 from .._walker import Walker, loop_depth
 from ._owners import shape_of
+from ._plan import TagKind
 
 __all__ = ["Forward", "Occurrence", "Origin"]
 
@@ -69,8 +69,8 @@ class Forward(Walker):
     bottom = (None, False)
     enters = frozenset({*_higher_order.CALL_LIKE, _higher_order.COND, _higher_order.SCAN})
 
-    def __init__(self, layer_paths: set, by_rules: bool = True):
-        self.layer_paths = layer_paths
+    def __init__(self, roles: dict, by_rules: bool = True):
+        self.roles = roles  # tag name -> TagRole (``Plan.roles``): what each covered layer's tag marks
         self.by_rules = by_rules
         self.occurrences: dict = {}  # layer path -> [Occurrence] in program order
         self.by_eqn: dict = {}  # (ctx, id(eqn)) -> Occurrence
@@ -104,12 +104,12 @@ class Forward(Walker):
 
     def tag(self, eqn, ins: list, ctx: tuple) -> list:
         name, origin = eqn.params["name"], ins[0][0]
-        if PARAMS_SUFFIX in name:
-            path, attr = name.split(PARAMS_SUFFIX, 1)
-            self.pending.setdefault((ctx, path), {})[attr] = origin
-        elif name.endswith(INPUT_SUFFIX) and name[: -len(INPUT_SUFFIX)] in self.layer_paths:
-            self.inputs.setdefault((ctx, name[: -len(INPUT_SUFFIX)]), []).append(eqn)
-        elif name in self.layer_paths:
+        role = self.roles.get(name)
+        if role is not None and role.kind is TagKind.PARAM:
+            self.pending.setdefault((ctx, role.layer), {})[role.attribute] = origin
+        elif role is not None and role.kind is TagKind.INPUT:
+            self.inputs.setdefault((ctx, role.layer), []).append(eqn)
+        elif role is not None and role.kind is TagKind.OUTPUT:
             inputs = tuple(self.inputs.pop((ctx, name), ()))
             if (ctx, id(eqn)) in self.by_eqn:  # a loop body read again (its carries' fixed point)
                 self.pending.pop((ctx, name), None)

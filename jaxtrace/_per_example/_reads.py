@@ -38,10 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from .. import _higher_order
-from .._module_tags import INPUT_SUFFIX
 from .._tag import is_tag
 from .._walker import Walker
-from ._factors import Index, Use, examples_first
+from ._factors import Index, Loop, Use, examples_first
 
 __all__ = ["READS", "Read", "find_reads"]
 
@@ -58,8 +57,8 @@ class Read:
     transposed: bool
     rule: "ReadRule"
     ctx: tuple = ()  # the jit, checkpoint and scan equations that hold it, outermost first
-    # per scan in ``ctx``, outermost first: "stepped" (a scan over the leaf's leading axis; its body reads
-    # one step's slice) or "repeated" (the scan's body closes over it and reads it at every step)
+    # per scan in ``ctx``, outermost first: ``Loop.STEPPED`` (a scan over the leaf's leading axis; its body reads
+    # one step's slice) or ``Loop.REPEATED`` (the scan's body closes over it and reads it at every step)
     loops: tuple = ()
 
     @property
@@ -95,12 +94,13 @@ class ReadRule:
 READS: dict[str, ReadRule] = {}
 
 
-def find_reads(jaxpr, n_leaves: int, layers: set) -> list[Read]:
+def find_reads(jaxpr, n_leaves: int, inputs: dict) -> list[Read]:
     """The reads of leaves (``jaxpr``'s first ``n_leaves`` invars) by equations of the top level or of
     the ``jit`` and ``checkpoint`` bodies it calls (``jnp.take`` and ``jnp.einsum`` are such bodies),
     and of one step's slice in the body of a ``lax.scan`` over a leaf, in program order, outside
-    the calls of the covered layers ``layers`` (paths; their rules hold what those read)."""
-    finder = _Finder(layers)
+    the calls of the covered layers (their rules hold what those read), each from the tag of its input
+    (``inputs``: that tag's name -> the layer's path, from ``Plan.roles``) to its output's."""
+    finder = _Finder(inputs)
     finder.forward(jaxpr, [(i, False, ()) for i in range(n_leaves)] + [None] * (len(jaxpr.invars) - n_leaves))
     return finder.found
 
@@ -113,16 +113,16 @@ class _Finder(Walker):
     enters = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.SCAN})
     fixed_point = False
 
-    def __init__(self, layers: set):
-        self.layers, self.found = layers, []
+    def __init__(self, inputs: dict):
+        self.inputs, self.found = inputs, []
         self.open_calls: dict = {}  # ctx -> the covered layers whose call the walk of that body is in
 
     def before(self, eqn, ins: list, ctx: tuple):
         open_calls = self.open_calls.setdefault(ctx, [])
         if is_tag(eqn):  # a covered layer's call runs from its input's tag to its output's
             name = eqn.params["name"]
-            if name.endswith(INPUT_SUFFIX) and name[: -len(INPUT_SUFFIX)] in self.layers:
-                open_calls.append(name[: -len(INPUT_SUFFIX)])
+            if name in self.inputs:
+                open_calls.append(self.inputs[name])
             elif open_calls and name == open_calls[-1]:
                 open_calls.pop()
             return [None] * len(eqn.outvars)
@@ -139,8 +139,8 @@ class _Finder(Walker):
             return None
         leaf, transposed, loops = value
         if role == "const":
-            return (leaf, transposed, (*loops, "repeated"))
-        return None if transposed or "stepped" in loops else (leaf, False, (*loops, "stepped"))
+            return (leaf, transposed, (*loops, Loop.REPEATED))
+        return None if transposed or Loop.STEPPED in loops else (leaf, False, (*loops, Loop.STEPPED))
 
     def out_of_body(self, eqn, value, ctx: tuple):
         return None

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import _compat, _higher_order
-from .._module_tags import INPUT_SUFFIX
 from .._tag import tag_p
 from .._walker import Walker
 
@@ -28,7 +27,8 @@ __all__ = ["used_outside"]
 
 
 def used_outside(
-    jaxpr, n_leaves: int, owned: dict[str, set[int]], reads: Optional[dict[tuple, tuple[int, int]]] = None, whole: frozenset = frozenset()
+    jaxpr, n_leaves: int, owned: dict[str, set[int]], reads: Optional[dict[tuple, tuple[int, int]]] = None, whole: frozenset = frozenset(),
+    inputs: Optional[dict[str, str]] = None,
 ) -> set[int]:
     """Indices of the leaves (``jaxpr``'s first ``n_leaves`` invars) on which the jaxpr's first output
     depends other than through their layers.
@@ -36,11 +36,12 @@ def used_outside(
     ``owned`` maps a covered layer's tag name (its path) to the leaves its rule covers; ``reads``
     maps an equation that reads a leaf on factors (``_reads``), as the ``id``s of the calls that
     hold it and its own, to ``(the operand that is the leaf or its transpose, the leaf)``; ``whole``: leaves
-    whose every use the pass reads where it meets the examples (none flows on).
+    whose every use the pass reads where it meets the examples (none flows on); ``inputs`` maps the tag
+    of a covered layer's input to the layer's path (``Plan.roles``).
     """
     masks = [0 if i in whole else 1 << i for i in range(n_leaves)] + [0] * (len(jaxpr.invars) - n_leaves)
     cut = {name: sum(1 << i for i in idx) for name, idx in owned.items()}
-    flows = _Flows(cut, {k: (operand, 1 << i) for k, (operand, i) in (reads or {}).items()})
+    flows = _Flows(cut, {k: (operand, 1 << i) for k, (operand, i) in (reads or {}).items()}, inputs or {})
     reached = flows.forward(jaxpr, masks)[0]
     return {i for i in range(n_leaves) if reached >> i & 1}
 
@@ -59,8 +60,9 @@ class _Flows(Walker):
     bottom = 0
     enters = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.COND, _higher_order.SCAN, _higher_order.WHILE})
 
-    def __init__(self, cut: dict[str, int], reads: dict[tuple, tuple[int, int]]):
+    def __init__(self, cut: dict[str, int], reads: dict[tuple, tuple[int, int]], inputs: dict[str, str]):
         self.cut = cut
+        self.inputs = inputs  # a covered layer's input tag -> the layer's path
         self.reads = reads  # (ids of the calls and scans, id(equation)) -> (operand, the bit of the leaf it reads there on factors)
         self.last_input: dict[str, int] = {}  # layer -> the leaves its current call's input depends on
 
@@ -85,8 +87,8 @@ class _Flows(Walker):
 
     def tag(self, eqn, ins: list, ctx: tuple) -> list:
         name, m = eqn.params["name"], ins[0]
-        if name.endswith(INPUT_SUFFIX) and name[: -len(INPUT_SUFFIX)] in self.cut:
-            self.last_input[name[: -len(INPUT_SUFFIX)]] = m
+        if self.inputs.get(name) in self.cut:
+            self.last_input[self.inputs[name]] = m
             return [m]
         if name in self.cut and name in self.last_input:
             # The layer's output: its own leaves flowed through it (their factors hold that part);
