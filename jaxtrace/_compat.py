@@ -40,7 +40,6 @@ __all__ = [
     "construct",
     "define_primitive",
     "float0",
-    "frame_files",
     "has_linearize_rule",
     "is_linearizing",
     "is_zero",
@@ -309,14 +308,6 @@ def user_lines(eqn) -> tuple:
     first): equations with the same lines can be bound as one call without losing a line."""
     return tuple((f.file_name, f.function_name, f.start_line)
                  for f in _source_info_util.user_frames(eqn.source_info.traceback))
-
-
-def frame_files(eqn) -> tuple:
-    """The file of every frame of an equation's traceback, innermost first, jaxtrace's and JAX's
-    included (``user_lines`` leaves those out)."""
-    traceback = eqn.source_info.traceback
-    code, _ = traceback.raw_frames() if traceback else ([], [])
-    return tuple(c.co_filename for c in code)
 
 
 def is_linearizing(invals: Sequence[Any]) -> bool:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence, Union
 import jax
 import jax.tree_util as jtu
 
-from ._tag import scoped, tag
+from ._tag import module_tag, scoped
 
 __all__ = [
     "INPUT_SUFFIX",
@@ -127,9 +127,9 @@ def tag_leaves(value, name: str, *, taggable: Callable[[Any], bool], is_leaf: Ca
     if not any(chosen):
         return value
     if all(chosen):
-        return tag(value, name, repeated=True)
+        return module_tag(value, name, repeated=True)
     dynamic = jtu.tree_unflatten(tree, [x if c else None for x, c in zip(leaves, chosen)])
-    tagged = iter(jtu.tree_leaves(tag(dynamic, name, repeated=True)))
+    tagged = iter(jtu.tree_leaves(module_tag(dynamic, name, repeated=True)))
     return jtu.tree_unflatten(tree, [next(tagged) if c else x for x, c in zip(leaves, chosen)])
 
 
@@ -167,7 +167,7 @@ class ModuleTag:
                 if not isinstance(value, jax.Array) and value is not None:  # an nnx.Variable: its array
                     value = value.get_value() if hasattr(value, "get_value") else getattr(value, "value", None)
                 if isinstance(value, jax.Array):
-                    tag(value, self.path + PARAMS_SUFFIX + name, repeated=True)
+                    module_tag(value, self.path + PARAMS_SUFFIX + name, repeated=True)
             if self.inputs:
                 args = tag_inputs(tuple(args), self.path + INPUT_SUFFIX)
         out = fn(*args, **kwargs)

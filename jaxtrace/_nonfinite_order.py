@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import numpy as np
 
 from . import _compat, _higher_order
-from ._tag import is_tag
+from ._tag import MODULE_TAGS, is_tag
 from ._walker import nesting
 
 __all__ = ["SHARD", "StepOrder", "templates", "entry_order", "loop_count", "program_key", "step_order"]
 
 SHARD = "shard"  # the kind of a stack axis that is a shard_map's mesh axis: ``f"{SHARD} {axis name}"``
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_MODULE_TAGS = os.path.join(_PACKAGE_DIR, "_module_tags.py")  # where jt.tag_modules's tags are made
 
 
 def templates(program, jaxpr=None, cache=None, modules=None) -> dict:
@@ -54,7 +51,7 @@ def templates(program, jaxpr=None, cache=None, modules=None) -> dict:
                 continue
             template: tuple = ("tag", i)
             if is_tag(eqn):
-                if any(os.path.abspath(f) == _MODULE_TAGS for f in _compat.frame_files(eqn)):
+                if eqn.params.get("origin") == MODULE_TAGS:
                     modules.add(key)
             else:
                 for body in _higher_order.bodies(eqn):

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _compat
 
-__all__ = ["evaluated_tags", "is_tag", "new_scope", "open_scopes", "opened", "scoped", "site_value", "tag", "tag_p", "visible"]
+__all__ = ["MODULE_TAGS", "evaluated_tags", "is_tag", "module_tag", "new_scope", "open_scopes", "opened", "scoped", "site_value", "tag", "tag_p", "visible"]
 
 T = TypeVar("T")
 
@@ -185,7 +185,7 @@ def tag(value: T, name: str, *, repeated: bool = False) -> T:
             )
     call = next(_CALLS)  # one identity per call: JAX's copies of this equation keep it
     scope = _SCOPE.get()
-    extra = {} if scope is None else {"scope": scope}
+    extra = ({} if scope is None else {"scope": scope}) | ({} if _ORIGIN.get() is None else {"origin": _ORIGIN.get()})
     tagged = [
         tag_p.bind(jnp.asarray(leaf), name=name, leaf=i, tree=tree, repeated=bool(repeated), batch_axes=(), call=call, **extra)
         for i, leaf in enumerate(leaves)
@@ -204,6 +204,20 @@ _EVALUATED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxtra
 # output and parameters) binds those tags in a scope of its own. Only a transform running
 # while that scope is open finds them; any other, around it or after it, sees the program
 # as the user wrote it, with the user's tags only.
+
+MODULE_TAGS = "tag_modules"  # ``params["origin"]`` of the tags ``jt.tag_modules`` puts
+_ORIGIN: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxtrace_tag_origin", default=None)
+
+
+def module_tag(value, name: str, *, repeated: bool = False):
+    """``tag``, for the tags ``jt.tag_modules`` puts: their equations say so (``params["origin"]`` is
+    ``MODULE_TAGS``), so an analysis reads it there instead of guessing from source lines."""
+    token = _ORIGIN.set(MODULE_TAGS)
+    try:
+        return tag(value, name, repeated=repeated)
+    finally:
+        _ORIGIN.reset(token)
+
 
 _SCOPES = itertools.count(1)
 _SCOPE: contextvars.ContextVar[int | None] = contextvars.ContextVar("jaxtrace_tag_scope", default=None)

@@ -789,3 +789,15 @@ def test_a_training_loop_whose_first_bad_step_has_a_finite_loss(maybe_jit):
     assert (g.name, g.examples, g.kind) == (name, example, "NaN") == ("", (2,), "NaN")  # pair 2, the duplicate
     bad = {f"layers.{k[1]}.{'weight' if k[0] == 'W' else 'bias'}" for k, v in g_w.items() if not np.all(np.isfinite(v))}
     assert set(report.params) == bad
+
+
+def test_tag_modules_tags_say_where_they_come_from_in_their_equations():
+    """find_nonfinite tells jt.tag_modules' tags from the user's by the tag equation's ``origin``
+    parameter (not by the source file that made it): the module's tags carry it, a user's tag does not."""
+    from jaxtrace._tag import MODULE_TAGS, is_tag
+
+    model = jt.tag_modules(eqx.nn.MLP(2, 2, 4, 1, key=jax.random.PRNGKey(0)))
+    jaxpr = jax.make_jaxpr(lambda x: jt.tag(model(x), "user").sum())(jnp.ones(2))
+    origins = {e.params["name"]: e.params.get("origin") for e in jaxpr.eqns if is_tag(e)}
+    assert origins.pop("user") is None
+    assert origins and set(origins.values()) == {MODULE_TAGS}, origins
