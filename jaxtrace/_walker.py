@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Sequence
 
+import jax
+
 from . import _compat, _equation_params, _higher_order
 
 __all__ = ["Walker", "loop_depth", "nesting"]
@@ -180,13 +182,7 @@ class Walker:
         body = _equation_params.scan_params(eqn).body
         k, c = _counts(eqn)
         n = len(_compat.jaxpr_and_consts(body)[0].constvars)
-        carry = list(carry)
-        while True:
-            got = self.backward(body, [*carry, *ys], (*ctx, eqn))[n:]
-            new = [self.join(a, b) for a, b in zip(carry, got[k : k + c])]
-            if new == carry or not self.fixed_point:
-                return got, new
-            carry = new
+        return self._until_stable(lambda cs: (got := self.backward(body, [*cs, *ys], (*ctx, eqn))[n:], got[k : k + c]), carry)
 
     # --- the higher-order kinds ----------------------------------------------------
 
@@ -224,8 +220,6 @@ class Walker:
 
     def _scan_again(self, eqn, p, values: list, ctx: tuple) -> list:
         """``eqn`` run again as ``lax.scan`` over its body's walk (values that are arrays)."""
-        import jax
-
         k, c = p.num_consts, p.num_carry
 
         def step(carry, xs):
@@ -246,11 +240,21 @@ class Walker:
         """The body's outputs, its carries fed back until they stop changing; the carries out are the
         join of every step's (and of the carries in: a loop may run no step)."""
         c = len(carry)
+        outs, carry = self._until_stable(
+            lambda cs: (outs := self.forward(body, [*consts, *cs, *xs], (*ctx, eqn), self._consts(body)), outs[:c]), carry
+        )
+        return [*carry, *outs[c:]]
+
+    def _until_stable(self, step: Callable, carry: list) -> tuple[Any, list]:
+        """The one fixed point over loop carries: ``step(carry)`` gives ``(result, carry after a step)``,
+        joined with the carry before it (a loop may run no step) and fed back until it stops changing
+        (once, without ``fixed_point``); ``(the last result, the carries)``."""
+        carry = list(carry)
         while True:
-            outs = self.forward(body, [*consts, *carry, *xs], (*ctx, eqn), self._consts(body))
-            new = [self.join(a, b) for a, b in zip(carry, outs[:c])]
+            result, after = step(carry)
+            new = [self.join(a, b) for a, b in zip(carry, after)]
             if new == carry or not self.fixed_point:
-                return [*new, *outs[c:]]
+                return result, new
             carry = new
 
     def _scan_backward(self, eqn, outs: list, ctx: tuple) -> list:
@@ -261,13 +265,8 @@ class Walker:
     def _while_backward(self, eqn, outs: list, ctx: tuple) -> list:
         p = _equation_params.while_params(eqn)
         n = len(_compat.jaxpr_and_consts(p.body)[0].constvars)
-        carry = list(outs)
-        while True:
-            got = self.backward(p.body, carry, (*ctx, eqn))[n:]
-            new = [self.join(a, b) for a, b in zip(carry, got[p.body_nconsts :])]
-            if new == carry or not self.fixed_point:
-                return [*[self.bottom] * p.cond_nconsts, *got[: p.body_nconsts], *new]
-            carry = new
+        got, carry = self._until_stable(lambda cs: (got := self.backward(p.body, cs, (*ctx, eqn))[n:], got[p.body_nconsts :]), outs)
+        return [*[self.bottom] * p.cond_nconsts, *got[: p.body_nconsts], *carry]
 
     def _consts(self, body) -> Sequence | None:
         return None if self.evaluates else [self.bottom] * len(_compat.jaxpr_and_consts(body)[0].constvars)
