@@ -100,7 +100,7 @@ def tagging(tag):
     Benchmark-only: it swaps the tag function that tagged modules call, so that the other
     variants (hook-style port, recipe, hand ``+ eps``) have exactly the same modules.
     """
-    with mock.patch.object(_jt_module_tags, "tag", lambda value, name, repeated=False: tag(value, name)):
+    with mock.patch.object(_jt_module_tags, "module_tag", lambda value, name, repeated=False: tag(value, name)):
         yield
 
 
