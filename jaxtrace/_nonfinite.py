@@ -96,31 +96,37 @@ def find_nonfinite(
 
     @functools.wraps(fun)
     def report_fun(*args, **kwargs) -> NonfiniteReport:
-        split, run, eps = split_for_reverse(
-            fun, args, kwargs, nums, tags, has_aux, True, dynamic=is_inexact_array, api="jaxtrace.find_nonfinite"
-        )
-        paths_and_leaves, tree = jax.tree_util.tree_flatten_with_path(split.args)
-        mask = [is_inexact_array(leaf) for _, leaf in paths_and_leaves]
-
-        def run_inexact(diff, eps):  # ``run`` on the inexact leaves; the others are held fixed
-            it = iter(diff)
-            full = jax.tree_util.tree_unflatten(tree, [next(it) if m else leaf for (_, leaf), m in zip(paths_and_leaves, mask)])
-            return run(full, eps)
-
-        diff = [leaf for (_, leaf), m in zip(paths_and_leaves, mask) if m]
-        (value, (aux, values)), (g_diff, g_eps) = jax.value_and_grad(run_inexact, argnums=(0, 1), has_aux=True)(diff, eps)
-        split.write_back(values)  # NNX state (RNG counts, batch statistics) as a plain call leaves it
-        infos, probed, found = _tag_report(split, values, g_eps)
-        # Paths inside the argument with one argnum (as its gradient's), else from the tuple of arguments.
-        chosen = [param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]
-        sizes = tuple(int(jnp.size(leaf)) for leaf in diff)
-        meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux), sizes, probed)
-        param_bad = [~jnp.all(jnp.isfinite(g)) for g in g_diff]
-        # The parameters themselves: a NaN that an earlier update wrote shows here, not at a tag.
-        param_counts = [jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in diff]
-        return NonfiniteReport(value, aux, *found[:2], _stacked(param_bad, bool), _stacked(param_counts), meta, *found[2:])
+        return _report(fun, nums, tags, has_aux, args, kwargs)
 
     return report_fun
+
+
+def _report(fun: Callable, nums: tuple, tags: Selection, has_aux: bool, args: tuple, kwargs: dict) -> NonfiniteReport:
+    """``find_nonfinite(fun, ...)(*args, **kwargs)``: one forward and backward pass over ``fun``'s inexact
+    leaves (the others held fixed), each tag's value and gradient reduced in it (``_tag_report``)."""
+    split, run, eps = split_for_reverse(
+        fun, args, kwargs, nums, tags, has_aux, True, dynamic=is_inexact_array, api="jaxtrace.find_nonfinite"
+    )
+    paths_and_leaves, tree = jax.tree_util.tree_flatten_with_path(split.args)
+    mask = [is_inexact_array(leaf) for _, leaf in paths_and_leaves]
+
+    def run_inexact(diff, eps):  # ``run`` on the inexact leaves; the others are held fixed
+        it = iter(diff)
+        full = jax.tree_util.tree_unflatten(tree, [next(it) if m else leaf for (_, leaf), m in zip(paths_and_leaves, mask)])
+        return run(full, eps)
+
+    diff = [leaf for (_, leaf), m in zip(paths_and_leaves, mask) if m]
+    (value, (aux, values)), (g_diff, g_eps) = jax.value_and_grad(run_inexact, argnums=(0, 1), has_aux=True)(diff, eps)
+    split.write_back(values)  # NNX state (RNG counts, batch statistics) as a plain call leaves it
+    infos, probed, found = _tag_report(split, values, g_eps)
+    # Paths inside the argument with one argnum (as its gradient's), else from the tuple of arguments.
+    chosen = [param_path(p[1:] if len(nums) == 1 else p) for (p, _), m in zip(paths_and_leaves, mask) if m]
+    sizes = tuple(int(jnp.size(leaf)) for leaf in diff)
+    meta = ReportMeta(infos, tuple(path_name(p) for p in chosen), bool(has_aux), sizes, probed)
+    param_bad = [~jnp.all(jnp.isfinite(g)) for g in g_diff]
+    # The parameters themselves: a NaN that an earlier update wrote shows here, not at a tag.
+    param_counts = [jnp.sum(~jnp.isfinite(leaf), dtype=jnp.int32) for leaf in diff]
+    return NonfiniteReport(value, aux, *found[:2], _stacked(param_bad, bool), _stacked(param_counts), meta, *found[2:])
 
 
 def _tag_report(split, values: dict, g_eps: dict) -> tuple[tuple, tuple, tuple]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -322,6 +322,25 @@ def _axes_for(loop_axes: LoopAxes, name: str) -> int:
 
 
 def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
+    """``{statistic: array of the first ``keep`` (loop) axes' shape}`` of one tag's ``value``: each
+    statistic a sum (or the max) over the entries of every leaf, reduced once per leaf (``_terms``)."""
+    bases, axes_of, kept_shape, count = _float_leaves(name, value, keep)
+    ranges = _Ranges.of(bases[0].dtype)
+    per_leaf = []
+    for g, ax in zip(bases, axes_of):
+        parts = _terms(g, stats, ranges, empty_leaf=_is_empty(math.prod(np.shape(g)[keep:])))
+        keys = tuple(parts)
+        per_leaf.append(dict(zip(keys, _separately(tuple(parts.values()), tuple(k == "max" for k in keys), ax))))
+    total = {k: functools.reduce(jnp.add, [p[k] for p in per_leaf]) for k in per_leaf[0] if k != "max"}
+    tops = [p["max"] for p in per_leaf if "max" in p]
+    return _statistics(total, tops, stats, ranges, count, kept_shape)
+
+
+def _float_leaves(name: str, value, keep: int) -> tuple[list, list, tuple, Any]:
+    """``(bases, axes, kept shape, count)`` of a tag's value: per leaf, the float array every statistic
+    reads (``g`` itself for a real leaf, ``|g|`` for a complex one, in one common float dtype) and the
+    axes it is reduced over (all but the ``keep`` leading ones, which every leaf shares); and how many
+    entries each kept index sums over. Raises ``ValueError`` for a value they do not fit."""
     leaves = jax.tree_util.tree_leaves(value)
     if not leaves:
         raise ValueError(f"jaxtrace.stats.summarize: the value for {name!r} has no arrays.")
@@ -344,74 +363,87 @@ def _summarize_one(name: str, value, keep: int, stats: tuple) -> dict:
     # g itself for a real leaf, |g| for a complex one: every statistic is a function of its entries
     bases = [f.astype(dtype) if not jnp.iscomplexobj(f) else jnp.abs(f).astype(dtype) for f in floats]
     count = sum(math.prod(s[keep:]) for s in shapes)  # symbolic under jax.export with a symbolic shape
-    empty = _is_empty(count)
+    return bases, axes_of, kept_shape, count
 
-    info = jnp.finfo(dtype)  # float32: maxexp 128, float64: 1024
-    # g * 2**-down stays finite for every finite g; its squares are used only when the plain sum
-    # overflowed (the entries they lose to underflow are ~2**-maxexp of it). |g| * 2**up is used
-    # only when the plain sum is below tiny, where its squares cannot overflow; |g| * 2**-half
-    # only when the plain sum of |g| overflowed.
-    down, up, half = 3 * info.maxexp // 4, info.maxexp // 2, info.maxexp // 2
-    tiny = 2.0 ** -(info.maxexp // 2 - 4)
-    want_sq, want_abs = "norm" in stats or "rms" in stats, "mean_abs" in stats
-    want_max, want_bad = "max_abs" in stats, "nonfinite" in stats
-    # nan explicitly for max_abs rather than rely on how the backend's max reduction treats it: a
-    # sum computed anyway is nan exactly when an entry is (inf + nan is nan), else a count of them.
-    count_nan = want_max and not want_sq and not want_abs
 
-    # Every statistic is a sum (or the max) of an elementwise function of g with no data-dependent
-    # scaling before it: one jnp.sum (or jnp.max) each, which XLA fuses with the function that
-    # makes its entries and, when sharded, reduces where each shard lies, then in one all-reduce
-    # round that XLA combines with the gradients' (a max in a round of its own). Sums of squares
-    # overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19) where the norm does not; they are
-    # also summed at fixed power-of-two scales, and the one in range is picked after the
-    # reduction. Each scaled entry is capped after its multiply (_scaled): XLA rewrites
-    # square(g * 2**k) into square(g) * 2**(2k), which is 0 * inf in float32, and no rewrite moves
-    # the constant through the min. The elementwise functions share no intermediate array (each
-    # sum reads g, with its own scale): XLA:CPU writes out an array that two reductions read, where
-    # it fuses one that a single reduction reads (|g| shared by four sums doubled their cost).
-    def terms(g, empty_leaf):
-        """The (kind, elementwise array) pairs one leaf contributes, keyed by what they sum."""
-        out = {}
-        if want_sq:
-            out["sq"] = jnp.square(g)
-            out["sq_hi"] = jnp.square(_scaled(g, -down, info.max))
-            out["sq_lo"] = jnp.square(_scaled(g, up, 2.0 ** (info.maxexp // 2 - 2)))
-        if want_abs:
-            out["abs"], out["abs_hi"] = jnp.abs(g), jnp.abs(g * _pow2(-half, dtype))
-        if want_max and not empty_leaf:  # empty leaves are left out: a max over no entries has a 0/0 derivative
-            out["max"] = jnp.maximum(g, -g)  # |g|, not jnp.abs: an array of its own, for the max alone
-        if count_nan:
-            out["nan"] = jnp.isnan(g).astype(dtype)
-        if want_bad:
-            out["bad"] = (~jnp.isfinite(g)).astype(dtype)
-        return out
+class _Ranges(NamedTuple):
+    """The power-of-two scales of the range guards, for a float dtype (float32: maxexp 128, float64: 1024).
 
-    per_leaf = []
-    for g, ax in zip(bases, axes_of):
-        parts = terms(g, _is_empty(math.prod(np.shape(g)[keep:])))
-        keys = tuple(parts)
-        per_leaf.append(dict(zip(keys, _separately(tuple(parts.values()), tuple(k == "max" for k in keys), ax))))
-    total = {k: functools.reduce(jnp.add, [p[k] for p in per_leaf]) for k in per_leaf[0] if k != "max"}
-    out = {}
-    if want_sq:
+    g * 2**-down stays finite for every finite g; its squares are used only when the plain sum
+    overflowed (the entries they lose to underflow are ~2**-maxexp of it). |g| * 2**up is used
+    only when the plain sum is below tiny, where its squares cannot overflow; |g| * 2**-half
+    only when the plain sum of |g| overflowed."""
+
+    info: Any
+    down: int
+    up: int
+    half: int
+    tiny: float
+
+    @staticmethod
+    def of(dtype) -> "_Ranges":
+        info = jnp.finfo(dtype)
+        return _Ranges(info, 3 * info.maxexp // 4, info.maxexp // 2, info.maxexp // 2, 2.0 ** -(info.maxexp // 2 - 4))
+
+
+# Every statistic is a sum (or the max) of an elementwise function of g with no data-dependent
+# scaling before it: one jnp.sum (or jnp.max) each, which XLA fuses with the function that
+# makes its entries and, when sharded, reduces where each shard lies, then in one all-reduce
+# round that XLA combines with the gradients' (a max in a round of its own). Sums of squares
+# overflow (float32: |g| > 1e19) or underflow (|g| < 1e-19) where the norm does not; they are
+# also summed at fixed power-of-two scales, and the one in range is picked after the
+# reduction. Each scaled entry is capped after its multiply (_scaled): XLA rewrites
+# square(g * 2**k) into square(g) * 2**(2k), which is 0 * inf in float32, and no rewrite moves
+# the constant through the min. The elementwise functions share no intermediate array (each
+# sum reads g, with its own scale): XLA:CPU writes out an array that two reductions read, where
+# it fuses one that a single reduction reads (|g| shared by four sums doubled their cost).
+def _terms(g, stats: tuple, ranges: _Ranges, empty_leaf: bool) -> dict:
+    """The (kind, elementwise array) pairs one leaf contributes, keyed by what they sum."""
+    info, out = ranges.info, {}
+    if "norm" in stats or "rms" in stats:
+        out["sq"] = jnp.square(g)
+        out["sq_hi"] = jnp.square(_scaled(g, -ranges.down, info.max))
+        out["sq_lo"] = jnp.square(_scaled(g, ranges.up, 2.0 ** (info.maxexp // 2 - 2)))
+    if "mean_abs" in stats:
+        out["abs"], out["abs_hi"] = jnp.abs(g), jnp.abs(g * _pow2(-ranges.half, g.dtype))
+    if "max_abs" in stats and not empty_leaf:  # empty leaves are left out: a max over no entries has a 0/0 derivative
+        out["max"] = jnp.maximum(g, -g)  # |g|, not jnp.abs: an array of its own, for the max alone
+    if _counts_nan(stats):
+        out["nan"] = jnp.isnan(g).astype(g.dtype)
+    if "nonfinite" in stats:
+        out["bad"] = (~jnp.isfinite(g)).astype(g.dtype)
+    return out
+
+
+def _counts_nan(stats: tuple) -> bool:
+    """nan explicitly for max_abs rather than rely on how the backend's max reduction treats it: a
+    sum computed anyway is nan exactly when an entry is (inf + nan is nan), else a count of them."""
+    return "max_abs" in stats and not ("norm" in stats or "rms" in stats) and "mean_abs" not in stats
+
+
+def _statistics(total: dict, tops: list, stats: tuple, ranges: _Ranges, count, kept_shape: tuple) -> dict:
+    """The ``stats`` from the sums of every leaf's terms (``total``) and their maxima (``tops``), each
+    sum of squares (or of ``|g|``) taken at the scale that kept it in range."""
+    dtype, empty, out = ranges.info.dtype, _is_empty(count), {}
+    if "sq" in total:
         mid, hi, lo = total["sq"], total["sq_hi"], total["sq_lo"]
-        use_hi, use_lo = jnp.isinf(mid), mid < tiny
+        use_hi, use_lo = jnp.isinf(mid), mid < ranges.tiny
         sq = jnp.where(use_hi, hi, jnp.where(use_lo, lo, mid))
-        scale = jnp.where(use_hi, 2.0**down, jnp.where(use_lo, 2.0**-up, 1.0)).astype(dtype)
+        scale = jnp.where(use_hi, 2.0**ranges.down, jnp.where(use_lo, 2.0**-ranges.up, 1.0)).astype(dtype)
         if "norm" in stats:
             out["norm"] = (scale * _sqrt(sq)).astype(dtype)
         if "rms" in stats:
             out["rms"] = (scale * _sqrt(sq / count) if not empty else jnp.full(kept_shape, jnp.nan)).astype(dtype)
-    if want_abs:
+    if "abs" in total:
         mid_abs, hi = total["abs"], total["abs_hi"]
+        half = ranges.half
         mean = jnp.where(jnp.isinf(mid_abs), (hi / count) * 2.0**half, mid_abs / count) if not empty else jnp.full(kept_shape, jnp.nan)
         out["mean_abs"] = mean.astype(dtype)
-    if want_max:
-        top = functools.reduce(jnp.maximum, [p["max"] for p in per_leaf if "max" in p], jnp.zeros(kept_shape, dtype))
-        any_nan = jnp.isnan(total["sq"]) if want_sq else jnp.isnan(total["abs"]) if want_abs else total["nan"] > 0
+    if "max_abs" in stats:
+        top = functools.reduce(jnp.maximum, tops, jnp.zeros(kept_shape, dtype))
+        any_nan = jnp.isnan(total["sq"]) if "sq" in total else jnp.isnan(total["abs"]) if "abs" in total else total["nan"] > 0
         out["max_abs"] = jnp.where(any_nan, jnp.nan, top).astype(dtype)
-    if want_bad:
+    if "nonfinite" in stats:
         out["nonfinite"] = (total["bad"] / count if not empty else jnp.zeros(kept_shape)).astype(dtype)
     return {s: out[s] for s in stats}
 

@@ -80,52 +80,63 @@ def grad_flow(
     names = list(history.names if names is None else names)
     if not names:
         raise ValueError("jaxtrace.plot.grad_flow: the History holds no statistics yet; append some first.")
-    steps = history.steps
     fig = _parts.figure(11, 4.2)
     ax_lines, ax_bars = fig.subplots(1, 2, width_ratios=[1.5, 1])
     # One line and one bar per entry: a scanned stack's layers apart (entries' rule), never reduced.
     rows = [(label, n, i) for n in names for label, i in entries(n, history.array(n, stat).shape[1:])]
-    labels = [label for label, _, _ in rows]
     colors = _parts.colors(len(rows))
-
-    def column(name, stat, i):
-        return np.asarray(history.array(name, stat), dtype=np.float64)[(slice(None), *i)]
-
-    for (label, name, i), color in zip(rows, colors):
-        ax_lines.plot(steps, _parts.positive(column(name, stat, i)), color=color, lw=1.8, label=label)
-    ax_lines.set_yscale("log")
-    ax_lines.set_xlabel("training step")
-    ax_lines.set_ylabel(_LABELS.get(stat, stat))
-    ax_lines.set_title(f"{stat} over training")
-    ax_lines.grid(True, which="major", alpha=0.3)
-    if len(rows) <= 12:
-        ax_lines.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-
-    x = np.arange(len(rows))
-    last = len(steps) - 1
-    available = set.intersection(*(set(history[name]) for name in names))
-    if {"mean_abs", "max_abs"} <= available:
-        maxes = [column(n, "max_abs", i)[last] for _, n, i in rows]
-        means = [column(n, "mean_abs", i)[last] for _, n, i in rows]
-        ax_bars.bar(x, _parts.positive(maxes), color="#9ecae1", width=0.75, label="max |g|")
-        ax_bars.bar(x, _parts.positive(means), color="#08519c", width=0.45, label="mean |g|")
-        ax_bars.set_ylabel("|gradient|")
-        ax_bars.legend(fontsize=8, frameon=False)
-    else:
-        values = [column(n, stat, i)[last] for _, n, i in rows]
-        ax_bars.bar(x, _parts.positive(values), color=colors, width=0.7)
-        ax_bars.set_ylabel(_LABELS.get(stat, stat))
-    if "nonfinite" in available:
-        for k, (_, n, i) in enumerate(rows):
-            if column(n, "nonfinite", i)[last] > 0:
-                ax_bars.axvspan(k - 0.5, k + 0.5, color="red", alpha=0.2, lw=0)
-    ax_bars.set_yscale("log")
-    ax_bars.set_xticks(x, labels, rotation=45 if len(rows) > 4 else 0, ha="right" if len(rows) > 4 else "center")
-    ax_bars.set_title(f"{'|g|' if {'mean_abs', 'max_abs'} <= available else stat} per tag at step {steps[last]}")
-    ax_bars.grid(True, axis="y", alpha=0.3)
+    _flow_curves(ax_lines, history, rows, colors, stat)
+    _flow_bars(ax_bars, history, rows, colors, stat, set.intersection(*(set(history[name]) for name in names)))
     if title:
         fig.suptitle(title)
     return _parts.finish(fig, path)
+
+
+def _column(history, name: str, stat: str, i: tuple) -> np.ndarray:
+    """Entry ``i`` of a tag's ``stat`` at every logged step."""
+    return np.asarray(history.array(name, stat), dtype=np.float64)[(slice(None), *i)]
+
+
+def _flow_curves(ax, history, rows: list, colors: list, stat: str) -> None:
+    """``grad_flow``'s left panel: ``stat`` of each entry (``rows``: ``(label, tag, index)``) over the steps."""
+    steps = history.steps
+    for (label, name, i), color in zip(rows, colors):
+        ax.plot(steps, _parts.positive(_column(history, name, stat, i)), color=color, lw=1.8, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel(_LABELS.get(stat, stat))
+    ax.set_title(f"{stat} over training")
+    ax.grid(True, which="major", alpha=0.3)
+    if len(rows) <= 12:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+
+
+def _flow_bars(ax, history, rows: list, colors: list, stat: str, available: set) -> None:
+    """``grad_flow``'s right panel: a bar per entry at the last logged step, ``mean_abs`` inside
+    ``max_abs`` where every tag has both (``available``: the statistics they all have), else ``stat``;
+    the entries with non-finite entries at that step marked in red."""
+    steps, x = history.steps, np.arange(len(rows))
+    last = len(steps) - 1
+    if {"mean_abs", "max_abs"} <= available:
+        maxes = [_column(history, n, "max_abs", i)[last] for _, n, i in rows]
+        means = [_column(history, n, "mean_abs", i)[last] for _, n, i in rows]
+        ax.bar(x, _parts.positive(maxes), color="#9ecae1", width=0.75, label="max |g|")
+        ax.bar(x, _parts.positive(means), color="#08519c", width=0.45, label="mean |g|")
+        ax.set_ylabel("|gradient|")
+        ax.legend(fontsize=8, frameon=False)
+    else:
+        values = [_column(history, n, stat, i)[last] for _, n, i in rows]
+        ax.bar(x, _parts.positive(values), color=colors, width=0.7)
+        ax.set_ylabel(_LABELS.get(stat, stat))
+    if "nonfinite" in available:
+        for k, (_, n, i) in enumerate(rows):
+            if _column(history, n, "nonfinite", i)[last] > 0:
+                ax.axvspan(k - 0.5, k + 0.5, color="red", alpha=0.2, lw=0)
+    ax.set_yscale("log")
+    labels = [label for label, _, _ in rows]
+    ax.set_xticks(x, labels, rotation=45 if len(rows) > 4 else 0, ha="right" if len(rows) > 4 else "center")
+    ax.set_title(f"{'|g|' if {'mean_abs', 'max_abs'} <= available else stat} per tag at step {steps[last]}")
+    ax.grid(True, axis="y", alpha=0.3)
 
 
 def layer_flow(

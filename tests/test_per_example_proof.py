@@ -113,6 +113,29 @@ def test_the_plan_says_what_each_of_its_tags_marks():
     assert {(layer.path, a) for layer in plan.layers for a in layer.leaves} <= params
 
 
+def test_the_proof_is_read_only():
+    """The ``Proof`` cannot change after ``prove`` returns: a frozen dataclass whose maps are read-only
+    views, its layer calls frozen ``Occurrence``s that keep the backward walk's ownership of their output."""
+    import dataclasses
+
+    from jaxtrace._per_example._find import find_contributions
+    from jaxtrace._per_example._owners import Axis
+    from jaxtrace._per_example._traced import TracedFun
+
+    proof = find_contributions(TracedFun(lm_losses, 0, False, (GPT(KEYS[0]), IDS), {})).proof
+    head = proof.occurrences["head"][0]
+    assert isinstance(head.out, Axis) and proof.shared and all(isinstance(use.chain, tuple) for use in proof.shared)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        proof.mixing = "changed"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        head.out = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        proof.shared[0].index = 1
+    for mapping in (proof.occurrences, proof.states):
+        with pytest.raises(TypeError):
+            mapping["changed"] = ()
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_negative_embedding_ids_select_rows_from_the_end(jit):
     ids = IDS.at[0, 0].set(-1).at[0, 1].set(V - 1)  # the same row twice in one example

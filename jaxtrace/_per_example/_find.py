@@ -21,7 +21,6 @@ import functools
 from typing import Any
 
 from .. import _compat, _equation_params, _higher_order
-from .._module_tags import INPUT_SUFFIX
 from .._program import Program
 from .._sites import TagError
 from .._tag import opened
@@ -29,7 +28,7 @@ from ._contributions import LayerCalls, LeafRead, Meeting, WholeLeaf
 from ._factors import Loop
 from ._groups import call_groups
 from ._meetings import Replay
-from ._plan import input_tags, layer_roles
+from ._plan import TagKind, input_tags
 from ._proof import prove
 from ._reads import find_reads
 
@@ -85,7 +84,6 @@ def find_contributions(traced) -> Contributions:
     """
     plan, jaxpr, batch = traced.plan, traced.jaxpr, traced.batch
     n_leaves = len(plan.leaves)
-    paths = {layer.path for layer in plan.layers}
     reads = {f"{plan.names[r.leaf]}:read:{k}": r for k, r in enumerate(find_reads(jaxpr, n_leaves, input_tags(plan)))}
     read_leaves = {r.leaf for r in reads.values()}
     whole = {f"{plan.names[i]}:whole": i for i in range(n_leaves) if i not in read_leaves}
@@ -94,7 +92,7 @@ def find_contributions(traced) -> Contributions:
         f"{plan.names[i]}:whole:{'steps' if Loop.STEPPED in loops else 'repeated'}": i for i, (_, _, loops) in in_scans.items()
     }
     proof = prove(
-        jaxpr, n_leaves, batch, layer_roles(plan),
+        jaxpr, n_leaves, batch, plan.roles,
         {name: (r.eqn.outvars[0], r.ctx) for name, r in reads.items()} | {name: (jaxpr.invars[i], ()) for name, i in whole.items()},
         {name: in_scans[i][:2] for name, i in scanned.items()},
     )
@@ -145,6 +143,10 @@ class _Stacks:
 
     def __init__(self, traced):
         self.traced = traced
+        self.stacked_tags: dict = {}  # layer path -> the names of its output's and input's tags (``Plan.roles``)
+        for name, role in traced.plan.roles.items():
+            if role.kind in (TagKind.OUTPUT, TagKind.INPUT):
+                self.stacked_tags.setdefault(role.layer, set()).add(name)
 
     @functools.cached_property
     def _sites(self) -> dict:
@@ -152,7 +154,8 @@ class _Stacks:
             return Program(self.traced.jaxpr).sites
 
     def __call__(self, path: str) -> bool:
-        return not any(site.problem for (name, _), site in self._sites.items() if name in (path, path + INPUT_SUFFIX))
+        names = self.stacked_tags.get(path, set())
+        return not any(site.problem for (name, _), site in self._sites.items() if name in names)
 
 
 def _proven_reads(reads: dict, proof, meetings: dict, batch: int) -> tuple[list, dict]:

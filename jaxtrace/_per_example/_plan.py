@@ -26,7 +26,7 @@ from .._tag import new_scope
 from .._tag_modules import tag_module_calls
 from ._rules import Rule, ensure_rules, rule_for
 
-__all__ = ["Layer", "Plan", "TagKind", "TagRole", "input_tags", "layer_roles", "plan_for"]
+__all__ = ["Layer", "Plan", "TagKind", "TagRole", "input_tags", "plan_for"]
 
 
 class TagKind(enum.Enum):
@@ -71,7 +71,7 @@ class Plan:
     state_of: Callable = lambda model: ()  # the model after a call -> the state it changed (NNX: RNG counts, statistics)
     write_back: Callable = lambda state: None  # that state -> written into the user's model, as nnx.grad does
     scope: Any = None  # the scope of the layers' tags (``_tag.scoped``): seen by the pass only, not by transforms around it
-    roles: dict = dataclasses.field(default_factory=dict)  # tag name -> TagRole, for every tag of a covered layer
+    roles: dict = dataclasses.field(default_factory=dict)  # tag name -> TagRole, for every tag of a covered layer (of ``layers``)
 
 
 def plan_for(model) -> Plan:
@@ -106,28 +106,23 @@ def plan_for(model) -> Plan:
         blocked={rank[i] for i in frame.blocked if i in rank},
         **frame.rebuild(diff),
         scope=scope,
-        roles=_roles(records),
+        roles=_roles(layers),
     )
-
-
-def layer_roles(plan: Plan) -> dict:
-    """``{tag name: TagRole}`` of the tags of ``plan``'s layers (none where the plan runs the untagged model)."""
-    paths = {layer.path for layer in plan.layers}
-    return {name: role for name, role in plan.roles.items() if role.layer in paths}
 
 
 def input_tags(plan: Plan) -> dict:
     """``{tag name: layer path}`` of the tags that mark ``plan``'s layers' inputs."""
-    return {name: role.layer for name, role in layer_roles(plan).items() if role.kind is TagKind.INPUT}
+    return {name: role.layer for name, role in plan.roles.items() if role.kind is TagKind.INPUT}
 
 
-def _roles(records: list) -> dict:
-    """``{tag name: TagRole}`` for the tags ``tag_module_calls`` puts on the recorded layers' calls."""
+def _roles(layers: list) -> dict:
+    """``{tag name: TagRole}`` for the tags ``tag_module_calls`` puts on the covered layers' calls."""
     roles = {}
-    for path, module, rule in records:
+    for layer in layers:
+        path = layer.path
         roles[path] = TagRole(TagKind.OUTPUT, path)
         roles[path + INPUT_SUFFIX] = TagRole(TagKind.INPUT, path)
-        roles.update({path + PARAMS_SUFFIX + a: TagRole(TagKind.PARAM, path, a) for a in rule.params(module)})
+        roles.update({path + PARAMS_SUFFIX + a: TagRole(TagKind.PARAM, path, a) for a in layer.rule.params(layer.module)})
     return roles
 
 

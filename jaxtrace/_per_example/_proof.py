@@ -48,10 +48,11 @@ in program order), ``_proof_backward`` (the losses each element reaches, and the
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 from .. import _higher_order
-from ._owners import Axis, Every, Step, axis_of, shape_of
+from ._owners import Axis, Step, axis_of, shape_of
 from ._proof_backward import Backward
 from ._proof_forward import Forward, Occurrence, Origin
 from ._shared_uses import SharedUse, SharedUses
@@ -59,13 +60,14 @@ from ._shared_uses import SharedUse, SharedUses
 __all__ = ["Occurrence", "Origin", "Proof", "SharedUse", "prove"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Proof:
-    occurrences: dict  # layer path -> [Occurrence] in program order
-    mixing: Optional[str] = None  # a sentence naming where examples interact (leaf-dependent), or None
-    unproven: dict = dataclasses.field(default_factory=dict)  # layer path -> why its output is not per-example
-    shared: list = dataclasses.field(default_factory=list)  # [SharedUse]: where shared values meet the examples
-    states: dict = dataclasses.field(default_factory=dict)  # (ctx, var) -> ownership
+    """What ``prove`` read from the program, read-only: nothing changes it after ``prove`` returns."""
+
+    occurrences: Mapping[str, tuple]  # layer path -> (Occurrence, ...) in program order
+    mixing: Optional[str]  # a sentence naming where examples interact (leaf-dependent), or None
+    shared: tuple  # (SharedUse, ...): where shared values meet the examples
+    states: Mapping  # (ctx, var) -> ownership
 
     def axis_at(self, var, batch: int, ctx: tuple = ()) -> Optional[tuple[int, int]]:
         """``(axis, inner)`` of the examples in a var (of the top level, or of the calls ``ctx``), or None."""
@@ -114,10 +116,9 @@ def prove(jaxpr, n_leaves: int, batch: int, roles: dict, reads: Optional[dict] =
     outs[0] = Axis(1)
     backward = Backward(batch, forward)
     backward.backward(jaxpr, outs)
-    proof = Proof(forward.occurrences, backward.mixing, states=backward.state)
-    for path, occs in forward.occurrences.items():
-        for occ in occs:
-            if isinstance(occ.out, Every):
-                proof.unproven[path] = occ.out
-    proof.shared = SharedUses(backward, forward.occurrences).shared_uses(jaxpr, reads or {}, in_scans or {})
-    return proof
+    occurrences = {  # each call with the ownership of its output, as the backward walk found it
+        path: tuple(dataclasses.replace(occ, out=backward.layer_outputs.get((occ.ctx, id(occ.eqn)))) for occ in occs)
+        for path, occs in forward.occurrences.items()
+    }
+    shared = SharedUses(backward, occurrences).shared_uses(jaxpr, reads or {}, in_scans or {})
+    return Proof(MappingProxyType(occurrences), backward.mixing, tuple(shared), MappingProxyType(backward.state))

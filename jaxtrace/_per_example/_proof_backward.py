@@ -49,6 +49,7 @@ class Backward(Walker):
     def __init__(self, batch: int, forward: Forward):
         self.batch = batch
         self.forward_walk = forward
+        self.layer_outputs: dict = {}  # (ctx, id(output tag eqn)) -> a covered layer call's output ownership, joined over its walks
         self.dep, self.iota, self.by_rules = forward.dep, forward.iota, forward.by_rules
         self.state: dict = {}  # (ctx, var) -> ownership
         self.mixing: Optional[str] = None
@@ -106,9 +107,9 @@ class Backward(Walker):
         return got if got is not None else [Every(Reach.UNKNOWN, eqn)] * len(eqn.invars)
 
     def tag(self, eqn, outs: list, ctx: tuple) -> list:
-        occ = self.forward_walk.by_eqn.get((ctx, id(eqn)))
-        if occ is not None:
-            occ.out = join_plain(occ.out, outs[0])
+        key = (ctx, id(eqn))
+        if key in self.forward_walk.by_eqn:  # a covered layer's call: its output's ownership, for ``Proof.occurrences``
+            self.layer_outputs[key] = join_plain(self.layer_outputs.get(key), outs[0])
         return self.equation(eqn, outs, ctx)
 
     def custom(self, eqn, outs: list, ctx: tuple) -> list:

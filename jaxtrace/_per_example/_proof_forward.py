@@ -41,9 +41,10 @@ class Origin(NamedTuple):
         return self.depth is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Occurrence:
-    """One call of a covered layer, as the program has it."""
+    """One call of a covered layer, as the program has it (``out`` filled in by ``_proof.prove`` from the
+    backward walk)."""
 
     ctx: tuple  # the equations (calls, loops) that hold it, outermost first
     eqn: Any  # the output tag's equation

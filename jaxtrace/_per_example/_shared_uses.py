@@ -22,7 +22,7 @@ from ._proof_backward import Backward, is_call
 __all__ = ["SharedUse", "SharedUses"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SharedUse:
     """A shared layer output meeting the examples: ``eqn``'s operand ``index`` (a chain of shape
     equations ``chain`` from the layer's output) is broadcast against per-example operands
@@ -32,7 +32,7 @@ class SharedUse:
     path: str
     eqn: Any
     index: int
-    chain: list  # equations from the layer's output var to the operand, in order
+    chain: tuple  # equations from the layer's output var to the operand, in order
     ctx: tuple = ()  # the calls (jit, checkpoint) that hold ``eqn``, outermost first
 
 
@@ -114,7 +114,7 @@ class SharedUses:
                 ins = OWNERS[name](self.backward, eqn, [state], ctx)
                 if where is None or where[1] != 1 or ins is None or not (isinstance(ins[0], Every) and ins[0].kind == "shared"):
                     return None
-                found.append((eqn, 0, list(chain), ctx))
+                found.append((eqn, 0, tuple(chain), ctx))
                 continue
             if (name in SHAPE_ONLY or name == "transpose") and len(eqn.invars) == 1:
                 more = self._meetings(jaxpr, eqn.outvars[0], [*chain, eqn], ctx)
@@ -136,7 +136,7 @@ class SharedUses:
                 if a is var:
                     if not (isinstance(ins[index], Every) and ins[index].kind == "shared"):
                         return None
-                    found.append((eqn, index, list(chain), ctx))
+                    found.append((eqn, index, tuple(chain), ctx))
         return found
 
 
