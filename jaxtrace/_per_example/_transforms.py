@@ -140,12 +140,11 @@ def clipped_grad(
 ) -> Callable:
     """The clipped sum of DP-SGD: ``sum_i min(1, max_norm / |g_i|) g_i``, without per-example gradients.
 
-    ``g_i`` is the gradient of ``losses[i]`` for all of the model's differentiated leaves
-    together. The norms come from ``per_example_norms``' pass; the clipped sum from the same
-    pass: for a covered layer its parameter gradient with each example's factors scaled by
-    ``w_i = min(1, max_norm / |g_i|)`` (one contraction, the size of the ordinary gradient;
-    no second backward pass), for an exact-path leaf ``sum_i w_i`` of its per-example
-    gradients. The result is differentiable in everything (``jax.grad`` around it works).
+    ``g_i`` is the gradient of ``losses[i]`` for all of the model's differentiated leaves. The
+    norms and the clipped sum come from ``per_example_norms``' one pass: for a covered layer its
+    parameter gradient with each example's factors scaled by ``w_i = min(1, max_norm / |g_i|)``
+    (one contraction, no second backward pass), for an exact-path leaf ``sum_i w_i`` of its
+    per-example gradients. The result is differentiable (``jax.grad`` around it works).
 
     An example whose squared gradient norm is not finite (a NaN or an infinity in its loss,
     its inputs or its gradient) gets weight 0 and is left out of the sum, as jax-privacy's
@@ -165,8 +164,8 @@ def clipped_grad(
         has_aux: ``fun`` returns ``(losses, aux)``.
         nan_safe: zero the factors' non-finite entries (the default). ``False`` keeps the
             weights of 0 but touches no factor, so a left-out example's NaN still reaches the
-            sum; for steps known to be finite it saves an elementwise pass over each layer
-            input and, under FSDP, the all-gather XLA then does of that copy.
+            sum; for finite steps it saves a pass over each layer input (and, under FSDP, its
+            all-gather).
         count_nonfinite: also return the number of examples left out for a non-finite norm.
 
     Returns:
