@@ -35,7 +35,7 @@ import jax
 
 from . import _compat, _equation_params, _higher_order
 
-__all__ = ["Walker", "loop_depth", "nesting"]
+__all__ = ["Walker", "loop_depth", "nesting", "scan_operands", "scan_results"]
 
 # The kinds a walk enters by default; an analysis lists fewer where it treats the others as a whole.
 _ENTERED = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.CUSTOM, _higher_order.COND, _higher_order.SCAN, _higher_order.WHILE})
@@ -58,6 +58,18 @@ def nesting(eqn) -> tuple:
     if kind == _higher_order.SHARD_MAP:
         return ("shards", _equation_params.shard_map_params(eqn).axes)
     return ("in",)
+
+
+def scan_operands(eqn, seq: Sequence) -> tuple[list, list, list]:
+    """``seq``, laid out as scan ``eqn``'s operands (or its body's invars), by role: ``(consts, carry, xs)``."""
+    k, c = _counts(eqn)
+    return list(seq[:k]), list(seq[k : k + c]), list(seq[k + c :])
+
+
+def scan_results(eqn, seq: Sequence) -> tuple[list, list]:
+    """``seq``, laid out as scan ``eqn``'s results (or its body's outvars), by role: ``(carry, ys)``."""
+    c = _counts(eqn)[1]
+    return list(seq[:c]), list(seq[c:])
 
 
 class Walker:
@@ -113,11 +125,11 @@ class Walker:
         return value
 
     def loop_ys(self, eqn, outs: list, ctx: tuple) -> list:
-        return outs[_equation_params.scan_params(eqn).num_carry :]
+        return scan_results(eqn, outs)[1]
 
     def loop_operands(self, eqn, outs: list, got: list, carry: list, ctx: tuple) -> list:
-        k, c = _counts(eqn)
-        return [*got[:k], *carry, *got[k + c :]]
+        consts, _, xs = scan_operands(eqn, got)
+        return [*consts, *carry, *xs]
 
     def record(self, ctx: tuple, var, value) -> None:
         pass
@@ -258,8 +270,7 @@ class Walker:
             carry = new
 
     def _scan_backward(self, eqn, outs: list, ctx: tuple) -> list:
-        c = _equation_params.scan_params(eqn).num_carry
-        got, carry = self.loop_body_backward(eqn, outs[:c], self.loop_ys(eqn, outs, ctx), ctx)
+        got, carry = self.loop_body_backward(eqn, scan_results(eqn, outs)[0], self.loop_ys(eqn, outs, ctx), ctx)
         return self.loop_operands(eqn, outs, got, carry, ctx)
 
     def _while_backward(self, eqn, outs: list, ctx: tuple) -> list:

@@ -16,10 +16,10 @@ from typing import Optional
 import jax
 import numpy as np
 
-from .. import _compat, _equation_params, _higher_order
+from .. import _compat, _higher_order
 from .._fused_runs import bind_equation
 from .._tag import tag_p
-from .._walker import Walker, loop_depth
+from .._walker import Walker, loop_depth, scan_operands, scan_results
 from ._owners import MULTI, OWNERS, Axis, Every, Reach, Step, axis_of, inexact, shape_of, unit
 from ._proof_forward import Forward
 
@@ -131,17 +131,18 @@ class Backward(Walker):
         return self._scan_outputs(eqn, outs, loop_depth(ctx))[0]
 
     def loop_operands(self, eqn, outs: list, got: list, carry: list, ctx: tuple) -> list:
-        p = _equation_params.scan_params(eqn)
-        k, c, level = p.num_consts, p.num_carry, loop_depth(ctx)
+        level = loop_depth(ctx)
         ys, per_step = self._scan_outputs(eqn, outs, level)
         here = Step(level, per_step) if per_step else None
-        if here is not None and any(s == here and inexact(v) for v, s in zip(eqn.invars[k : k + c], carry)):
+        _, carry_in, xs_in = scan_operands(eqn, eqn.invars)
+        if here is not None and any(s == here and inexact(v) for v, s in zip(carry_in, carry)):
             # a float carried from one example's step to the next: not one example's values a step
             ys = [Every(Reach.UNKNOWN, eqn) if s == here else s for s in ys]
-            got, carry = self.loop_body_backward(eqn, outs[:c], ys, ctx)
+            got, carry = self.loop_body_backward(eqn, scan_results(eqn, outs)[0], ys, ctx)
             here = None
+        consts, _, xs_got = scan_operands(eqn, got)
         xs = []
-        for v, s in zip(eqn.invars[k + c :], got[k + c :]):
+        for v, s in zip(xs_in, xs_got):
             if here is not None and s == here:  # the scanned axis holds the examples, ``inner`` steps each
                 xs.append(unit(shape_of(v), 0, here.inner))
             elif s is None or isinstance(s, (Every, Step)):
@@ -149,7 +150,7 @@ class Backward(Walker):
             else:
                 where = axis_of(shape_of(v)[1:], s, self.batch)
                 xs.append(unit(shape_of(v), where[0] + 1, where[1]) if where else Every(Reach.UNKNOWN, eqn))
-        consts = [Every(Reach.SHARED, eqn) if here is not None and s == here else s for s in got[:k]]  # read by every step
+        consts = [Every(Reach.SHARED, eqn) if here is not None and s == here else s for s in consts]  # read by every step
         carry = [Every(Reach.UNKNOWN, eqn) if here is not None and s == here else s for s in carry]  # (no float: no gradient)
         return consts + carry + xs
 
@@ -157,15 +158,15 @@ class Backward(Walker):
         """``(the states of a scan body's ys, inner)``: ``inner`` > 0 where the scan's steps are the examples
         (``inner`` steps each, the same for every ys that reaches a loss, no carry out reaching one:
         ``lax.map`` over the batch), its body's values then ``Step``; else 0."""
-        c = _equation_params.scan_params(eqn).num_carry
-        wheres = [axis_of(shape_of(v), s, self.batch) if isinstance(s, Axis) else None for v, s in zip(eqn.outvars[c:], outs[c:])]
+        (carry, states), ys_vars = scan_results(eqn, outs), scan_results(eqn, eqn.outvars)[1]
+        wheres = [axis_of(shape_of(v), s, self.batch) if isinstance(s, Axis) else None for v, s in zip(ys_vars, states)]
         inners = {w[1] for w in wheres if w is not None and w[0] == 0}
-        stepped = len(inners) == 1 and all(s is None for s in outs[:c]) and all(
-            w is not None and w[0] == 0 for w, s in zip(wheres, outs[c:]) if isinstance(s, Axis)
+        stepped = len(inners) == 1 and all(s is None for s in carry) and all(
+            w is not None and w[0] == 0 for w, s in zip(wheres, states) if isinstance(s, Axis)
         )
         inner = next(iter(inners)) if stepped else 0
         ys = []
-        for v, s, where in zip(eqn.outvars[c:], outs[c:], wheres):
+        for v, s, where in zip(ys_vars, states, wheres):
             if s is None or isinstance(s, Step):  # (an outer scan's step: the same example at every step here)
                 ys.append(s)
             elif where is not None and where[0] > 0:
