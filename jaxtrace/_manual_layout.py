@@ -7,12 +7,12 @@ at coordinates ``c`` is index ``linear(c over those axes) * local size + k`` of 
 NaN at example 1 of the shard ``data=2, model=1`` is named as example 11 of the batch.
 
 ``site_layouts(program)`` walks the program to each ``shard_map`` and runs its body forward from
-the ``in_specs``, one rule per primitive (``RULES``): entry-by-entry operations, broadcasts,
-reshapes, transposes, reductions, ``dot_general``, convolutions, gathers, slices, the collectives,
-and the bodies of calls, scans and conds (a loop's carry to a fixed point). An axis follows an
-operation only where each index keeps its identity along it (a ``cumsum`` or a ``rev`` along a
-split axis loses it); a primitive without a rule makes what it returns unknown, unless every
-operand is whole (then so is its result).
+the ``in_specs`` on the one walk (``_walker``), one rule per primitive (``RULES``): entry-by-entry
+operations, broadcasts, reshapes, transposes, reductions, ``dot_general``, convolutions, gathers,
+slices, the collectives; the walk enters calls, scans and conds (a loop's carry to a fixed point).
+An axis follows an operation only where each index keeps its identity along it (a ``cumsum`` or a
+``rev`` along a split axis loses it); a primitive without a rule makes what it returns unknown,
+unless every operand is whole (then so is its result).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Callable
 from . import _compat, _equation_params, _higher_order
 from ._elementwise import ELEMENTWISE
 from ._tag import is_tag
+from ._walker import Walker
 
 __all__ = ["RULES", "site_layouts"]
 
@@ -43,7 +44,7 @@ def _find(jaxpr, found: dict) -> None:
         if _higher_order.kind(eqn) == _higher_order.SHARD_MAP:
             p = _equation_params.shard_map_params(eqn)
             ins = [_from_spec(spec, len(_shape(v)), p.axes) for spec, v in zip(p.in_specs, eqn.invars)]
-            _Walk(found, p).run(p.body, ins)
+            _Walk(found, p).forward(p.body, ins)
         else:
             for body in _higher_order.bodies(eqn):
                 _find(body, found)
@@ -79,36 +80,52 @@ def _combine(layouts) -> Layout:
     return tuple(out)
 
 
-class _Walk:
+class _Walk(Walker):
+    """A shard_map body's layouts, forward: ``RULES`` per primitive (in ``equation``), calls, scans and
+    conds entered (a loop's carries to a fixed point, their layouts joined by ``_combine``); the
+    bodies of any other equation (a while loop: its tags hold the last iteration) walked with their
+    layouts unknown, and its results unknown unless every operand is whole."""
+
+    enters = frozenset({*_higher_order.CALL_LIKE, _higher_order.COND, _higher_order.SCAN})
+
     def __init__(self, found: dict, params):
         self.found, self.params = found, params
 
-    def run(self, jaxpr, ins: list) -> list:
-        jaxpr, _ = _compat.jaxpr_and_consts(jaxpr)
-        env = {v: _whole(v) for v in jaxpr.constvars}
-        env.update(zip(jaxpr.invars, ins))
+    def join(self, a, b):
+        return b if a is None else a if b is None else _combine([a, b])
 
-        def read(atom):
-            return _whole(atom) if isinstance(atom, _compat.Literal) else env.get(atom, _unknown(atom))
+    def literal(self, atom):
+        return _whole(atom)
 
-        for eqn in jaxpr.eqns:
-            layouts = [read(a) for a in eqn.invars]
-            if is_tag(eqn):
-                key = (eqn.params["name"], eqn.params["leaf"])
-                varying = self.params.varying_axes(eqn.invars[0].aval)
-                invariant = tuple(a for a in self.params.axes if a not in varying)
-                seen = self.found.get(key)
-                layout = layouts[0] if seen is None else _combine([seen[0], layouts[0]])
-                self.found[key] = (layout, invariant)
-            env.update(zip(eqn.outvars, self.rule(eqn, layouts)))
-        return [read(a) for a in jaxpr.outvars]
+    def constant(self, var):
+        return _whole(var)
 
-    def rule(self, eqn, layouts: list) -> list:
-        rule = RULES.get(eqn.primitive.name) or _BY_KIND.get(_higher_order.kind(eqn))  # type: ignore[arg-type]
-        if rule is not None:
-            out = rule(self, eqn, layouts)
-            if out is not None:
-                return out
+    def before(self, eqn, layouts: list, ctx: tuple):
+        if is_tag(eqn):
+            key = (eqn.params["name"], eqn.params["leaf"])
+            varying = self.params.varying_axes(eqn.invars[0].aval)
+            invariant = tuple(a for a in self.params.axes if a not in varying)
+            seen = self.found.get(key)
+            layout = layouts[0] if seen is None else _combine([seen[0], layouts[0]])
+            self.found[key] = (layout, invariant)
+        return None
+
+    def into_loop(self, eqn, role: str, layout, ctx: tuple):
+        if role != "xs":
+            return layout
+        return layout[1:] if layout[:1] == ((),) else (None,) * (len(layout) - 1)  # one step's slice
+
+    def out_of_loop(self, eqn, role: str, layout, ctx: tuple):
+        return ((), *layout) if role == "ys" else layout  # the steps stacked: every shard holds them all
+
+    def equation(self, eqn, layouts: list, ctx: tuple) -> list:
+        rule = RULES.get(eqn.primitive.name)
+        out = rule(self, eqn, layouts) if rule is not None else None
+        if out is not None:
+            return out
+        for body in _higher_order.bodies(eqn):
+            jaxpr, _ = _compat.jaxpr_and_consts(body)
+            self.forward(jaxpr, [_unknown(v) for v in jaxpr.invars], (*ctx, eqn))
         if all(d == () for layout in layouts for d in layout):
             return [_whole(v) for v in eqn.outvars]  # made of whole values: whole
         return [_unknown(v) for v in eqn.outvars]
@@ -292,48 +309,3 @@ def _made(walk, eqn, layouts):
     return [_whole(v) for v in eqn.outvars]
 
 
-# --- bodies ---------------------------------------------------------------------------------------
-
-
-def _call(walk, eqn, layouts):
-    outs = walk.run(_higher_order.body(eqn), layouts)
-    return outs if len(outs) == len(eqn.outvars) else None
-
-
-def _scan(walk, eqn, layouts):
-    p = _equation_params.scan_params(eqn)
-    consts, carry, xs = layouts[: p.num_consts], layouts[p.num_consts : p.num_consts + p.num_carry], layouts[p.num_consts + p.num_carry :]
-    xs = [layout[1:] if layout[:1] == ((),) else (None,) * (len(layout) - 1) for layout in xs]
-    for _ in range(1 + 2 * sum(map(len, carry))):  # each pass that changes the carry splits or loses an axis
-        outs = walk.run(p.body, [*consts, *carry, *xs])
-        merged = [_combine([c, o]) for c, o in zip(carry, outs[: p.num_carry])]
-        if merged == carry:
-            break
-        carry = merged
-    return [*carry, *(((), *layout) for layout in outs[p.num_carry :])]
-
-
-def _cond(walk, eqn, layouts):
-    outs = None
-    for branch in _equation_params.cond_branches(eqn):
-        found = walk.run(branch, layouts[1:])
-        outs = found if outs is None else [_combine([a, b]) for a, b in zip(outs, found)]
-    return outs
-
-
-def _loop_unknown(walk, eqn, layouts):
-    """A while loop (its tags hold the last iteration): its carry is not followed."""
-    for body in _higher_order.bodies(eqn):
-        jaxpr, _ = _compat.jaxpr_and_consts(body)
-        walk.run(body, [_unknown(v) for v in jaxpr.invars])
-    return None
-
-
-_BY_KIND: dict = {
-    _higher_order.CALL: _call,
-    _higher_order.REMAT: _call,
-    _higher_order.CUSTOM: _call,
-    _higher_order.SCAN: _scan,
-    _higher_order.COND: _cond,
-    _higher_order.WHILE: _loop_unknown,
-}

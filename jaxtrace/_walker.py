@@ -76,12 +76,13 @@ class Walker:
     """A walk over a jaxpr with per-primitive rules (see the module docstring).
 
     Hooks (each with a default): ``join`` (two values of one var: branches, loop steps),
-    ``combine`` (backward: two uses of one var), ``literal``, ``before`` (a result for an
-    equation ahead of every rule), ``enter`` (whether to walk a higher-order equation's
-    bodies), ``into_loop`` and ``out_of_body`` (a value as it enters a loop body, or leaves
-    any body), ``loop_ys`` and ``loop_operands`` (backward: a scan's outputs into its body,
-    and its body's results out to its operands), ``record`` (every var's value, with its
-    context).
+    ``combine`` (backward: two uses of one var), ``literal`` and ``constant`` (a literal's value,
+    a closed-over constant's), ``before`` (a result for an equation ahead of every rule), ``enter``
+    (whether to walk a higher-order equation's bodies), ``into_loop``, ``out_of_loop`` and
+    ``out_of_body`` (a value as it enters a loop body, leaves a loop's, or leaves any body),
+    ``loop_ys`` and ``loop_operands`` (backward: a scan's outputs into its body, and its body's
+    results out to its operands), ``record`` (every var's value, with its context). A rule reads
+    a scan's operands and results by role with ``scan_operands`` and ``scan_results``.
     """
 
     rules: ClassVar[dict[str, Callable]] = {}
@@ -124,6 +125,14 @@ class Walker:
     def out_of_body(self, eqn, value, ctx: tuple):
         return value
 
+    def out_of_loop(self, eqn, role: str, value, ctx: tuple):
+        """A loop's result from its body's; ``role``: "carry" or "ys" (a scan's stacked outputs)."""
+        return self.out_of_body(eqn, value, ctx)
+
+    def constant(self, var):
+        """The value of a closed-over constant (``var``) where the walk does not evaluate."""
+        return self.bottom
+
     def loop_ys(self, eqn, outs: list, ctx: tuple) -> list:
         return scan_results(eqn, outs)[1]
 
@@ -138,10 +147,10 @@ class Walker:
 
     def forward(self, jaxpr, values: Sequence, ctx: tuple = (), consts: Sequence | None = None) -> list:
         """The values of ``jaxpr``'s outputs from those of its invars (``values``) and constvars
-        (``consts``; default: a closed jaxpr's own where the walk evaluates, else ``bottom``)."""
+        (``consts``; default: a closed jaxpr's own where the walk evaluates, else ``constant``'s)."""
         jaxpr, own = _compat.jaxpr_and_consts(jaxpr)
         if consts is None:
-            consts = own if self.evaluates else [self.bottom] * len(jaxpr.constvars)
+            consts = own if self.evaluates else [self.constant(v) for v in jaxpr.constvars]
         env: dict = {}
         for v, x in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *values)):
             self._write(env, ctx, v, x)
@@ -184,7 +193,7 @@ class Walker:
         inline: forward, its outputs' values; backward, its operands'."""
         body = _higher_order.body(eqn)
         if direction == _FORWARD:
-            return [self.out_of_body(eqn, x, ctx) for x in self.forward(body, values, (*ctx, eqn), self._consts(body))]
+            return [self.out_of_body(eqn, x, ctx) for x in self.forward(body, values, (*ctx, eqn))]
         n = len(_compat.jaxpr_and_consts(body)[0].constvars)
         return self.backward(body, values, (*ctx, eqn))[n:]
 
@@ -213,7 +222,7 @@ class Walker:
         for branch in _equation_params.cond_branches(eqn):
             inner = (*ctx, eqn, branch)
             if direction == _FORWARD:
-                got = [self.out_of_body(eqn, x, ctx) for x in self.forward(branch, values[1:], inner, self._consts(branch))]
+                got = [self.out_of_body(eqn, x, ctx) for x in self.forward(branch, values[1:], inner)]
             else:
                 got = self.backward(branch, values, inner)[len(_compat.jaxpr_and_consts(branch)[0].constvars) :]
             joined = got if joined is None else [self.join(a, b) for a, b in zip(joined, got)]
@@ -222,13 +231,11 @@ class Walker:
 
     def _scan_forward(self, eqn, values: list, ctx: tuple) -> list:
         p = _equation_params.scan_params(eqn)
-        k, c = p.num_consts, p.num_carry
         if self.evaluates:
             return self._scan_again(eqn, p, values, ctx)
-        consts = [self.into_loop(eqn, "const", x, ctx) for x in values[:k]]
-        xs = [self.into_loop(eqn, "xs", x, ctx) for x in values[k + c :]]
-        carry = self._fixed_point(eqn, p.body, consts, [self.into_loop(eqn, "carry", x, ctx) for x in values[k : k + c]], xs, ctx)
-        return [self.out_of_body(eqn, x, ctx) for x in carry]
+        consts, carry, xs = ([self.into_loop(eqn, role, x, ctx) for x in part] for role, part in zip(_ROLES, scan_operands(eqn, values)))
+        carry, ys = scan_results(eqn, self._fixed_point(eqn, p.body, consts, carry, xs, ctx))
+        return [*(self.out_of_loop(eqn, "carry", x, ctx) for x in carry), *(self.out_of_loop(eqn, "ys", y, ctx) for y in ys)]
 
     def _scan_again(self, eqn, p, values: list, ctx: tuple) -> list:
         """``eqn`` run again as ``lax.scan`` over its body's walk (values that are arrays)."""
@@ -246,14 +253,14 @@ class Walker:
         p = _equation_params.while_params(eqn)
         consts = [self.into_loop(eqn, "const", x, ctx) for x in values[p.cond_nconsts : p.cond_nconsts + p.body_nconsts]]
         carry = [self.into_loop(eqn, "carry", x, ctx) for x in values[p.cond_nconsts + p.body_nconsts :]]
-        return [self.out_of_body(eqn, x, ctx) for x in self._fixed_point(eqn, p.body, consts, carry, [], ctx)]
+        return [self.out_of_loop(eqn, "carry", x, ctx) for x in self._fixed_point(eqn, p.body, consts, carry, [], ctx)]
 
     def _fixed_point(self, eqn, body, consts: list, carry: list, xs: list, ctx: tuple) -> list:
         """The body's outputs, its carries fed back until they stop changing; the carries out are the
         join of every step's (and of the carries in: a loop may run no step)."""
         c = len(carry)
         outs, carry = self._until_stable(
-            lambda cs: (outs := self.forward(body, [*consts, *cs, *xs], (*ctx, eqn), self._consts(body)), outs[:c]), carry
+            lambda cs: (outs := self.forward(body, [*consts, *cs, *xs], (*ctx, eqn)), outs[:c]), carry
         )
         return [*carry, *outs[c:]]
 
@@ -279,9 +286,6 @@ class Walker:
         got, carry = self._until_stable(lambda cs: (got := self.backward(p.body, cs, (*ctx, eqn))[n:], got[p.body_nconsts :]), outs)
         return [*[self.bottom] * p.cond_nconsts, *got[: p.body_nconsts], *carry]
 
-    def _consts(self, body) -> Sequence | None:
-        return None if self.evaluates else [self.bottom] * len(_compat.jaxpr_and_consts(body)[0].constvars)
-
     def _read(self, env: dict, atom):
         if isinstance(atom, _compat.Literal):
             return self.literal(atom)
@@ -299,6 +303,7 @@ def _counts(eqn) -> tuple[int, int]:
 
 
 _FORWARD, _BACKWARD = "forward", "backward"
+_ROLES = ("const", "carry", "xs")  # a scan's operands, in order
 _KINDS: dict = {
     **{(kind, direction): lambda w, e, v, c, d=direction: w.call(e, v, c, d) for kind in _higher_order.CALL_LIKE for direction in (_FORWARD, _BACKWARD)},
     (_higher_order.COND, _FORWARD): lambda w, e, v, c: w._cond(e, v, c, _FORWARD),

@@ -110,3 +110,26 @@ def test_an_unknown_primitive_loses_the_split_axes_only():
 
     got = layouts_of(body, (P("data"),), (16, 4))
     assert got == {"sorted": (None, ()), "spectrum": (None, None), "made": ((),)}
+
+
+def test_scan_slices_and_stacks_calls_inline_and_a_while_loop_unknown():
+    """A scan over a whole axis gives each step a slice in the rest's layout and stacks ``ys`` on a whole
+    axis; a ``jit`` body is inline; a ``while`` body's values are not followed (unknown), and its results
+    are whole only where all its operands are."""
+
+    def body(x, w):
+        ys = lax.scan(lambda c, r: (c, jt.tag(r * 2.0, "row")), 0.0, x.T)[1]
+        called = jax.jit(lambda v: jt.tag(v + 1.0, "in_jit"))(x)
+        _, looped = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jt.tag(c[1] * 2.0, "in_while")), (0, x))
+        _, kept = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0), (0, w))
+        return total(jt.tag(ys, "ys"), called, jt.tag(looped, "after_while"), jt.tag(kept, "whole_after_while"))
+
+    got = layouts_of(body, (P("data"), P()), (16, 3), (16, 3))
+    assert got == {
+        "row": (ROWS,),
+        "ys": ((), ROWS),
+        "in_jit": (ROWS, ()),
+        "in_while": (None, None),
+        "after_while": (None, None),
+        "whole_after_while": ((), ()),
+    }
