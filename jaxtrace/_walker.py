@@ -35,7 +35,7 @@ import jax
 
 from . import _compat, _equation_params, _higher_order
 
-__all__ = ["Walker", "loop_depth", "nesting", "scan_operands", "scan_results"]
+__all__ = ["Walker", "into_bodies", "loop_depth", "nesting", "scan_operands", "scan_results"]
 
 # The kinds a walk enters by default; an analysis lists fewer where it treats the others as a whole.
 _ENTERED = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.CUSTOM, _higher_order.COND, _higher_order.SCAN, _higher_order.WHILE})
@@ -70,6 +70,32 @@ def scan_results(eqn, seq: Sequence) -> tuple[list, list]:
     """``seq``, laid out as scan ``eqn``'s results (or its body's outvars), by role: ``(carry, ys)``."""
     c = _counts(eqn)[1]
     return list(seq[:c]), list(seq[c:])
+
+
+def into_bodies(jaxpr, var):
+    """``var``'s one use in ``jaxpr`` followed into the body of the call or scan it is an operand of, and
+    that body's var's one use likewise, while each has exactly one (as one operand of one equation, and
+    no output): ``(equation, role, the body's var)`` per body entered, outermost first; ``role`` is
+    "const", "carry" or "xs" for a scan's operand, "call" for a call's (``jit``, ``checkpoint``, a custom
+    derivative's primal body). Stops at a use of any other kind."""
+    jaxpr = _compat.jaxpr_and_consts(jaxpr)[0]
+    while True:
+        uses = [(eqn, k) for eqn in jaxpr.eqns for k, a in enumerate(eqn.invars) if a is var]
+        if len(uses) != 1 or any(a is var for a in jaxpr.outvars):
+            return
+        eqn, k = uses[0]
+        kind = _higher_order.kind(eqn)
+        if kind == _higher_order.SCAN:
+            consts, carry = _counts(eqn)
+            role = "const" if k < consts else "carry" if k < consts + carry else "xs"
+            body = _equation_params.scan_params(eqn).body
+        elif kind in _higher_order.CALL_LIKE:
+            role, body = "call", _higher_order.body(eqn)
+        else:
+            return
+        jaxpr = _compat.jaxpr_and_consts(body)[0]
+        var = jaxpr.invars[k]
+        yield eqn, role, var
 
 
 class Walker:

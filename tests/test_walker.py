@@ -17,7 +17,7 @@ import pytest
 
 from jaxtrace import _compat, _higher_order
 from jaxtrace._fused_runs import bind_equation
-from jaxtrace._walker import Walker, loop_depth
+from jaxtrace._walker import Walker, into_bodies, loop_depth
 
 
 class Deps(Walker):
@@ -160,3 +160,24 @@ def test_a_leaf_in_a_carry_that_a_scan_of_no_step_returns_is_used():
 
     jaxpr = jax.make_jaxpr(lambda w, xs: jax.lax.scan(lambda c, x: (x, x), w, xs)[0])(1.0, jnp.ones(0)).jaxpr
     assert used_outside(jaxpr, 1, {}) == {0}
+
+
+
+def test_into_bodies_follows_one_use_into_scans_and_calls():
+    """A var's one use followed down by role (``xs`` of a scan, ``xs`` of the scan in its body, an
+    operand of a ``jit`` in that body; a scan's const; a carry), and no further than a var with two
+    uses or one that is an output."""
+
+    def roles(f, *args, i=0):
+        jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+        return [(_higher_order.kind(eqn), role, inner.aval.shape) for eqn, role, inner in into_bodies(jaxpr, jaxpr.invars[i])]
+
+    def nested(xs):
+        return jax.lax.scan(lambda c, x: (c, jax.lax.scan(lambda d, r: (d, jax.jit(jnp.sin)(r)), 0.0, x)[1]), 0.0, xs)[1]
+
+    scan, call = _higher_order.SCAN, _higher_order.CALL
+    assert roles(nested, jnp.ones((4, 3))) == [(scan, "xs", (3,)), (scan, "xs", ()), (call, "call", ())]
+    assert roles(lambda w, xs: jax.lax.scan(lambda c, x: (c + w * x, None), 0.0, xs)[0], 2.0, jnp.ones(3)) == [(scan, "const", ())]
+    assert roles(lambda v: jax.lax.scan(lambda c, _: (c * 2.0, None), v, None, length=2)[0], 1.0) == [(scan, "carry", ())]
+    assert roles(lambda w, xs: jax.lax.scan(lambda c, x: (c + x, None), w, xs)[0] + w, 0.0, jnp.ones(3)) == []  # two uses
+    assert roles(lambda w: (w, jax.jit(jnp.sin)(w)), 1.0) == []  # also an output
