@@ -20,10 +20,11 @@ import dataclasses
 import functools
 from typing import Any
 
-from .. import _compat, _equation_params, _higher_order
+from .. import _compat, _higher_order
 from .._program import Program
 from .._sites import TagError
 from .._tag import opened
+from .._walker import into_bodies
 from ._contributions import LayerCalls, LeafRead, Meeting, WholeLeaf
 from ._factors import Loop
 from ._groups import call_groups
@@ -177,29 +178,20 @@ def _proven_reads(reads: dict, proof, meetings: dict, batch: int) -> tuple[list,
 def _in_scans(jaxpr, candidates: set) -> dict:
     """``{leaf: (scan equations, body invar, loops)}`` for the leaves among ``candidates`` whose only use in
     ``jaxpr`` is as one operand of one top-level scan, followed into the scans nested in its body while
-    the body's input has no other use either: ``loops`` per scan, outermost first, ``Loop.STEPPED`` for an
-    ``xs`` operand (the body sees one step's slice; one such scan at most) or ``Loop.REPEATED`` for a const
-    (the body closes over it, the same at every step); the body invar is the innermost's."""
+    the body's input has no other use either (``into_bodies``): ``loops`` per scan, outermost first,
+    ``Loop.STEPPED`` for an ``xs`` operand (the body sees one step's slice; one such scan at most) or
+    ``Loop.REPEATED`` for a const (the body closes over it, the same at every step); the body invar is
+    the innermost's."""
     found = {}
     for i in candidates:
-        where, var, eqns, loops = jaxpr, jaxpr.invars[i], (), ()
-        while (use := _only_use(where, var)) is not None and _higher_order.kind(use[0]) == _higher_order.SCAN:
-            eqn, k = use
-            p = _equation_params.scan_params(eqn)
-            stepped = k >= p.num_consts + p.num_carry
-            if p.num_consts <= k < p.num_consts + p.num_carry or (stepped and Loop.STEPPED in loops):
-                break  # a carry; or a slice scanned over again
-            where, _ = _compat.jaxpr_and_consts(p.body)
-            var, eqns, loops = where.invars[k], (*eqns, eqn), (*loops, Loop.STEPPED if stepped else Loop.REPEATED)
+        eqns, var, loops = (), None, ()
+        for eqn, role, inner in into_bodies(jaxpr, jaxpr.invars[i]):
+            if role not in ("const", "xs") or (role == "xs" and Loop.STEPPED in loops):
+                break  # a call or a carry; or a slice scanned over again
+            eqns, var, loops = (*eqns, eqn), inner, (*loops, Loop.STEPPED if role == "xs" else Loop.REPEATED)
         if eqns:
             found[i] = (eqns, var, loops)
     return found
-
-
-def _only_use(jaxpr, var):
-    """``(equation, operand index)`` of ``var``'s one use in ``jaxpr``; None if it has another, or none."""
-    uses = [(eqn, k) for eqn in jaxpr.eqns for k, a in enumerate(eqn.invars) if a is var]
-    return uses[0] if len(uses) == 1 and not any(a is var for a in jaxpr.outvars) else None
 
 
 def _custom_around(occurrences):
