@@ -280,6 +280,25 @@ def test_an_rnn_step_stacks_one_array_more_than_the_plain_step():
     assert plain >= 2 and ours == plain + 1, (plain, ours)
 
 
+def test_an_mlp_step_runs_no_matrix_product_the_plain_step_does_not():
+    """The compiled step of ``value_grad_and_norms`` on the guide's ``eqx.nn.MLP`` (8-32x3-1, batch 64) runs as
+    many ``dot`` instructions as the plain gradient step: each bias's gradient is a sum over the rows, as the
+    plain backward forms it, not a product with ones (three more dots before, in a step of 0.2 ms: with an Adam
+    update, 1.39x the plain step on JAX 0.10.2, 1.17x since, a hand-written ghost-norm step 1.11x, in one
+    interleaved run on a loaded 2-core machine; JAX 0.12 alike)."""
+    model = eqx.nn.MLP(8, 1, 32, 3, key=KEY)
+    x = jax.random.normal(jax.random.key(1), (64, 8))
+    y = jnp.sin(x[:, :1])
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def dots(f):
+        hlo = jax.jit(lambda a, x, y: f(eqx.combine(a, static), x, y)).lower(arrays, x, y).compile().as_text()
+        return len(re.findall(r" = \S+ dot\(", hlo[hlo.index("ENTRY") :]))
+
+    plain = dots(eqx.filter_value_and_grad(lambda m, x, y: jnp.mean(losses_fn(m, x, y))))
+    assert dots(jt.value_grad_and_norms(losses_fn)) == plain, plain
+
+
 # --- the ring buffer -------------------------------------------------------------------------------
 
 

@@ -288,8 +288,9 @@ def weighted_sum(uses: list[Use], weights, shape: tuple, dtype, nan_safe: bool =
                 k = u.a.ids.shape[1]
                 ones = jnp.ones(u.a.ids.size, dtype) if weights is None else jnp.repeat(weights.astype(dtype), k)
                 part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(ones)
-            else:
-                part = _contract(_row_weights(example_weights(weights, u.a.shape[0], dtype), u.a), z(_rows(u, "a")))
+            else:  # a sum over the rows, as the plain backward forms a bias's gradient (not a product with ones)
+                rows = z(_rows(u, "a")).astype(dtype)
+                part = jnp.sum(rows if weights is None else rows * _row_weights(weights.astype(dtype), u.a)[:, None], axis=0)
         elif isinstance(u.a, Index):
             b = z(u.b) if weights is None else z(u.b) * weights.astype(dtype)[:, None, None]
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b.reshape(-1, u.b.shape[-1]).astype(dtype))
