@@ -197,6 +197,44 @@ def test_a_recurrent_weight_closed_over_by_a_scan_is_on_factors(jit):
     check(lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2, axis=(1, 2)), model, x, y, jit=jit)
 
 
+class FourReads(eqx.Module):
+    """A recurrent cell whose step adds up four reads (``x_t @ a``, ``h @ b``, ``h @ b.T`` and ``x_t @ c.T``: one
+    matrix read twice, two through a transpose) and a bias; ``x_t`` is the scan's ``xs`` slice."""
+
+    a: jax.Array
+    b: jax.Array
+    c: jax.Array
+    bias: jax.Array
+
+    def __call__(self, x):
+        def cell(h, x_t):
+            h = jnp.tanh(x_t @ self.a + h @ self.b + h @ self.b.T + x_t @ self.c.T + self.bias)
+            return h, h
+
+        _, hs = jax.lax.scan(cell, jnp.zeros(D), x)
+        return hs
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize("jit", [False, True])
+def test_four_reads_adding_up_in_a_scan_are_on_factors(jit, steps):
+    """Reads whose outputs add up share one tag on their sum, and a read of the scan's ``xs`` slice records
+    ``xs`` itself (``_read_tags``): the norms and the clipped sum are still the definition's, float64 (one
+    step too: its stacked arrays are one step long)."""
+    k = jax.random.split(KEYS[6], 5)
+    model = FourReads(*(0.5 * jax.random.normal(kk, (D, D)) for kk in k[:3]), 0.1 * jax.random.normal(k[3], (D,)))
+    x = jax.random.normal(k[4], (B, steps, D))
+    from jaxtrace._per_example._pass import Call
+
+    losses = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2, axis=(1, 2))  # noqa: E731
+    found = []
+    jax.make_jaxpr(lambda m, x: found.append(Call(losses, 0, "error", False, (m, x), {}).contributions))(model, x)
+    ((tags,),) = {tuple(set(r.grad_tag for r in c.reads)) for c in found}  # one tag for the four reads
+    assert tags is not None and len(found[0].reads) == 4, found[0].reads
+    assert len(found[0].read_tags.moved_inputs) == 2  # x_t @ a and x_t @ c.T: their input recorded on xs
+    check(losses, model, x, jit=jit)
+
+
 @pytest.mark.slow  # ~15 s on 2 cores (jacrev under vmap and grad); the grammar's scan_reads class draws these too
 def test_stacked_reads_inside_vmap_jit_and_grad():
     """The stacked reads under ``jax.vmap`` over two parameter sets (jaxtrace in the body), and

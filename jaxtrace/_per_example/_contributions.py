@@ -234,15 +234,17 @@ class LayerCalls:
 class LeafRead:
     """A proven read of a leaf by one primitive outside its layers (``_reads.Read``): the pass tags its
     output ``name`` and its recorded operand ``name + ":in"``; where its output is shared by every
-    example, it is tagged where it meets them (``meetings``) instead."""
+    example, it is tagged where it meets them (``meetings``) instead, and where it adds up with other
+    reads' outputs, their sum is (``grad_tag``, ``_read_tags``)."""
 
     name: str
     read: Any
     meetings: tuple = ()
+    grad_tag: Optional[str] = None  # the tag whose gradient is its output's, where not ``name`` (``_read_tags``)
 
     @property
     def tags(self) -> set:
-        return {self.name, self.name + INPUT_SUFFIX} | {m.tag for m in self.meetings}
+        return {self.grad_tag or self.name, self.name + INPUT_SUFFIX} | {m.tag for m in self.meetings}
 
     def cut(self, leaves: set) -> Cut:
         read = self.read
@@ -258,7 +260,7 @@ class LeafRead:
             dt = jnp.promote_types(rec.dtypes[i], compute_dtype(g.dtype))
             use = over_loops(lambda xs, gs: read.shared_factors(xs, gs, dt), read.loops, x, g)
         elif read.other is None or isinstance(x, jax.Array):
-            g = rec.grads.get(self.name)
+            g = rec.grads.get(self.grad_tag or self.name)
             if isinstance(g, jax.Array):
                 axis, inner = rec.proof.axis_at(read.eqn.outvars[0], rec.batch, read.ctx)
                 dt = jnp.promote_types(rec.dtypes[i], compute_dtype(g.dtype))

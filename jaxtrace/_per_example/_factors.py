@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["HIGHEST", "Index", "Loop", "PerStep", "Use", "example_weights", "examples_first", "finite", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
+__all__ = ["HIGHEST", "Index", "Loop", "PerStep", "Steps", "Use", "example_weights", "examples_first", "finite", "over_loops", "positions_over_steps", "sq_norm", "weighted_sum", "with_rows"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -69,9 +70,22 @@ class PerStep:
     use: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """A dense ``Use`` read at every step of the scans around it (a recurrent weight), kept steps first:
+    ``use``'s arrays are ``(S, B, K, d)``, the steps (of every such scan, flattened) before the examples,
+    as the scans stack them. Each example's gradient sums ``outer(a, b)`` over the steps and positions
+    ``(S, K)``; its contractions run over the stacked steps in place, where moving them beside the
+    positions, ``(B, S * K, d)``, would copy each array (``positions_over_steps``, the form the Gram
+    arithmetic reads)."""
+
+    use: Use
+
+
 # Pytrees, so that the factors of a layer stacked in ``lax.scan`` can be mapped over its steps.
 jax.tree_util.register_dataclass(Index, data_fields=["ids"], meta_fields=["size"])
 jax.tree_util.register_dataclass(Use, data_fields=["a", "b", "rows"], meta_fields=["out"])
+jax.tree_util.register_dataclass(Steps, data_fields=["use"], meta_fields=[])
 
 
 def examples_first(x, axis: int, inner: int, n_lead: int) -> jax.Array:
@@ -115,25 +129,30 @@ def over_loops(factors, loops: tuple, x, g):
     """The ``Use`` of a leaf read in the body of nested scans ``loops`` (``Loop``s, outermost first),
     from the values ``x`` and gradients ``g`` recorded there (one leading axis per loop) and ``factors(x,
     g)`` of one step's (a ``Use`` or ``None``; or a dict of them, one per leaf of a layer, mapped alike).
-    The repeated loops' positions lie side by side; under a stepped loop (one at most) it is a
-    ``PerStep``, the steps on the ``Use``'s leading axis. ``None`` where ``factors`` gives ``None``, or a
+    The repeated loops' positions lie side by side (a dense ``Use`` in no stepped loop: ``Steps``, the
+    steps kept first); under a stepped loop (one at most) it is a ``PerStep``, the steps on the ``Use``'s
+    leading axis. ``None`` where ``factors`` gives ``None``, or a
     convolution's factors under a repeated loop."""
-    use = _over_loops(factors, loops, x, g)
+    use = _over_loops(factors, loops, x, g, Loop.STEPPED not in loops)
     mark = lambda u: PerStep(u) if u is not None and Loop.STEPPED in loops else u  # noqa: E731
     return {k: mark(u) for k, u in use.items()} if isinstance(use, dict) else mark(use)
 
 
-def _over_loops(factors, loops: tuple, x, g):
+def _over_loops(factors, loops: tuple, x, g, steps_first: bool):
     if not loops:
         return factors(x, g)
-    use = jax.vmap(lambda xs, gs: _over_loops(factors, loops[1:], xs, gs))(x, g)
+    use = jax.vmap(lambda xs, gs: _over_loops(factors, loops[1:], xs, gs, steps_first))(x, g)
     if use is None or loops[0] == Loop.STEPPED:
         return use
 
     def side_by_side(u):  # a convolution's factors keep their own layout: no positions to add to
+        if isinstance(u, Steps):  # a repeated loop nested in this one: its steps and this one's, flattened
+            return Steps(jax.tree_util.tree_map(lambda t: t.reshape(-1, *t.shape[2:]), u.use))
         if not isinstance(u, Use):
             return None
-        return jax.vmap(positions_over_steps, in_axes=1)(u) if Loop.STEPPED in loops[1:] else positions_over_steps(u)
+        if Loop.STEPPED in loops[1:]:
+            return jax.vmap(positions_over_steps, in_axes=1)(u)
+        return Steps(dataclasses.replace(u, rows=None)) if steps_first and not isinstance(u.a, Index) else positions_over_steps(u)
 
     return {k: side_by_side(u) for k, u in use.items()} if isinstance(use, dict) else side_by_side(use)
 
@@ -143,7 +162,7 @@ def _k(f) -> int:
 
 
 def _width(f) -> int:
-    return f.size if isinstance(f, Index) else f.shape[2]
+    return f.size if isinstance(f, Index) else f.shape[-1]
 
 
 def _inner(f, h) -> jax.Array:
@@ -163,13 +182,23 @@ def _dense(f, dtype) -> jax.Array:
     return f
 
 
-def sq_norm(uses: list[Use], dtype) -> jax.Array:
-    """Squared norm of ``sum over uses`` of the per-example gradient, per example: ``(B,)``."""
-    if all(u.b is None for u in uses):
-        total = sum(jnp.sum(_dense(u.a, dtype), axis=1) for u in uses)
+def _use(u) -> Use:
+    """The ``Use`` of ``u`` (a ``Use`` or ``Steps``), for its widths and kinds of factor."""
+    return u.use if isinstance(u, Steps) else u
+
+
+def _positions(u) -> Use:
+    """``u`` as a ``Use``: a ``Steps``' steps side by side with its positions, ``(B, S * K, d)`` (a copy)."""
+    return positions_over_steps(u.use) if isinstance(u, Steps) else u
+
+
+def sq_norm(uses: list, dtype) -> jax.Array:
+    """Squared norm of ``sum over uses`` (``Use``s and ``Steps``) of the per-example gradient, per example: ``(B,)``."""
+    if all(_use(u).b is None for u in uses):
+        total = sum(jnp.sum(u.use.a, axis=(0, 2)) if isinstance(u, Steps) else jnp.sum(_dense(u.a, dtype), axis=1) for u in uses)
         return jnp.sum(total * total, axis=-1)
     if not _per_example_form(uses):  # the Gram ("ghost") form is the smaller one
-        uses = _with_b(uses, dtype)
+        uses = _with_b([_positions(u) for u in uses], dtype)
         out = 0.0
         for i, u in enumerate(uses):
             for j in range(i, len(uses)):
@@ -181,9 +210,14 @@ def sq_norm(uses: list[Use], dtype) -> jax.Array:
     return jnp.sum(grad * grad, axis=(1, 2))
 
 
-def _with_b(uses: list[Use], dtype=jnp.float32) -> list[Use]:
-    """``uses`` with a vector-shaped leaf's ``b = None`` as ones ``(B, K, 1)``."""
-    return [u if u.b is not None else Use(u.a, jnp.ones((*_batch_k(u.a), 1), dtype)) for u in uses]
+def _with_b(uses: list, dtype=jnp.float32) -> list:
+    """``uses`` with a vector-shaped leaf's ``b = None`` as ones ``(B, K, 1)`` (``(S, B, K, 1)`` in a ``Steps``)."""
+    def one(u):
+        if isinstance(u, Steps):
+            return Steps(one(u.use))
+        return u if u.b is not None else Use(u.a, jnp.ones((*_batch_k(u.a), 1), dtype))
+
+    return [one(u) for u in uses]
 
 
 def _per_example_form(uses: list[Use]) -> bool:
@@ -195,20 +229,24 @@ def _per_example_form(uses: list[Use]) -> bool:
     table of ``dA`` rows) makes the Gram form cheap and the gradient large: the gradient only where
     ``dA * dB`` is below the ``K x K`` Gram. Never for a leaf whose every use is vector-shaped (``b``
     ``None``: its per-example gradient is a sum of ``a``)."""
-    if all(u.b is None for u in uses):
+    if all(_use(u).b is None for u in uses):
         return False
-    uses = _with_b(uses)
-    k_total, d_a, d_b = sum(_k(u.a) for u in uses), _width(uses[0].a), _width(uses[0].b)
-    if any(isinstance(u.a, Index) for u in uses):
+    first = _use(uses[0])
+    k_total = sum(math.prod(u.use.a.shape[:3:2]) if isinstance(u, Steps) else _k(u.a) for u in uses)
+    d_a, d_b = _width(first.a), 1 if first.b is None else _width(first.b)
+    if any(isinstance(_use(u).a, Index) for u in uses):
         return k_total * k_total > d_a * d_b
     return k_total * (d_a + d_b) > d_a * d_b
 
 
-def per_example_grad(uses: list[Use], dtype) -> jax.Array:
-    """Each example's gradient of the leaf, ``(B, dA, dB)``: the sum over its uses' positions of ``outer(a, b)``."""
+def per_example_grad(uses: list, dtype) -> jax.Array:
+    """Each example's gradient of the leaf, ``(B, dA, dB)``: the sum over its uses' positions of ``outer(a, b)``
+    (a ``Steps``': over its steps too, contracted where they lie)."""
     grad = 0.0
     for u in _with_b(uses, dtype):
-        if isinstance(u.a, Index):
+        if isinstance(u, Steps):
+            grad = grad + jnp.einsum("sbka,sbkc->bac", u.use.a, u.use.b, precision=HIGHEST)
+        elif isinstance(u.a, Index):
             grad = grad + jax.vmap(lambda ids, bb: jnp.zeros((u.a.size, bb.shape[-1]), dtype).at[ids].add(bb.astype(dtype)))(u.a.ids, u.b)
         else:
             grad = grad + jnp.einsum("bka,bkc->bac", u.a, u.b, precision=HIGHEST)
@@ -216,7 +254,7 @@ def per_example_grad(uses: list[Use], dtype) -> jax.Array:
 
 
 def _batch_k(f):
-    return f.ids.shape if isinstance(f, Index) else f.shape[:2]
+    return f.ids.shape if isinstance(f, Index) else f.shape[:-1]
 
 
 def weighted_sum(uses: list[Use], weights, shape: tuple, dtype, nan_safe: bool = False) -> jax.Array:
@@ -243,13 +281,16 @@ def weighted_sum(uses: list[Use], weights, shape: tuple, dtype, nan_safe: bool =
         return jnp.reshape(jnp.tensordot(example_weights(weights, grad.shape[0], dtype), grad, 1), shape)
     total = 0.0
     for u in uses:
-        if u.b is None:
+        if isinstance(u, Steps):
+            part = _steps_sum(u.use, weights, dtype, z)
+        elif u.b is None:
             if isinstance(u.a, Index):
                 k = u.a.ids.shape[1]
                 ones = jnp.ones(u.a.ids.size, dtype) if weights is None else jnp.repeat(weights.astype(dtype), k)
                 part = jnp.zeros(u.a.size, dtype).at[u.a.ids.reshape(-1)].add(ones)
-            else:
-                part = _contract(_row_weights(example_weights(weights, u.a.shape[0], dtype), u.a), z(_rows(u, "a")))
+            else:  # a sum over the rows, as the plain backward forms a bias's gradient (not a product with ones)
+                rows = z(_rows(u, "a")).astype(dtype)
+                part = jnp.sum(rows if weights is None else rows * _row_weights(weights.astype(dtype), u.a)[:, None], axis=0)
         elif isinstance(u.a, Index):
             b = z(u.b) if weights is None else z(u.b) * weights.astype(dtype)[:, None, None]
             part = jnp.zeros((u.a.size, u.b.shape[-1]), dtype).at[u.a.ids.reshape(-1)].add(b.reshape(-1, u.b.shape[-1]).astype(dtype))
@@ -261,6 +302,20 @@ def weighted_sum(uses: list[Use], weights, shape: tuple, dtype, nan_safe: bool =
             part = _contract(a, b)
         total = total + part
     return jnp.reshape(total, shape)
+
+
+def _steps_sum(u: Use, weights, dtype, z) -> jax.Array:
+    """``sum_i weights[i] g_i`` of a ``Steps``' use (arrays ``(S, B, K, d)``): one contraction over its
+    rows ``(S * B * K)`` as they lie, the output-gradient factor scaled by each row's example's weight."""
+    s, b, k = u.a.shape[:3]
+    a = z(u.a).reshape(-1, u.a.shape[-1])
+    bb = None if u.b is None else z(u.b).reshape(-1, u.b.shape[-1])
+    w = jnp.broadcast_to(example_weights(weights, b, dtype)[None, :, None], (s, b, k)).reshape(-1)
+    if bb is None:
+        return _contract(w, a)
+    if weights is not None:
+        a, bb = (a * w[:, None], bb) if u.out == "a" else (a, bb * w[:, None])
+    return _contract(a, bb)
 
 
 def example_weights(weights, batch: int, dtype) -> jax.Array:

@@ -31,6 +31,7 @@ from ._groups import call_groups
 from ._meetings import Replay
 from ._plan import TagKind, input_tags
 from ._proof import prove
+from ._read_tags import ReadTags, place_read_tags
 from ._reads import find_reads
 
 __all__ = ["Contributions", "find_contributions"]
@@ -51,6 +52,7 @@ class Contributions:
     meetings: dict
     read_why: dict
     renamed: dict
+    read_tags: ReadTags = ReadTags()
 
     @property
     def parts(self) -> tuple:
@@ -73,7 +75,7 @@ class Contributions:
         meetings = {name: [(m.tag, m.use) for m in ms] for name, ms in self.meetings.items()} if placed else {}
         return Replay(
             traced.jaxpr, traced.consts, traced.out_tree, self.proof, traced.batch, meetings, reads if placed else {},
-            traced.plan.scope, self.renamed,
+            traced.plan.scope, self.renamed, self.read_tags if placed else ReadTags(),
         )
 
 
@@ -112,9 +114,11 @@ def find_contributions(traced) -> Contributions:
     meetings = {name: tuple(ms) for name, ms in meetings.items()}
     layers, renamed = _layer_calls(traced, proof, meetings)
     leaf_reads, read_why = _proven_reads(reads, proof, meetings, batch)
+    read_tags = place_read_tags(jaxpr, {r.name: r.read for r in leaf_reads if not r.meetings})
+    leaf_reads = [dataclasses.replace(r, grad_tag=read_tags.sums.get(r.name)) for r in leaf_reads]
     wholes = [WholeLeaf(name, i, meetings[name]) for name, i in whole.items() if name in meetings]
     wholes += [WholeLeaf(name, i, meetings[name], in_scans[i][2]) for name, i in scanned.items() if name in meetings]
-    return Contributions(tuple(layers), tuple(leaf_reads), tuple(wholes), proof, meetings, read_why, renamed)
+    return Contributions(tuple(layers), tuple(leaf_reads), tuple(wholes), proof, meetings, read_why, renamed, read_tags)
 
 
 def _layer_calls(traced, proof, meetings: dict) -> tuple[list, dict]:

@@ -27,6 +27,7 @@ from .._module_tags import INPUT_SUFFIX
 from .._fused_runs import bind_equation
 from .._tag import scoped, tag as _tag
 from .._walker import Walker
+from ._read_tags import ReadTags
 
 __all__ = ["Replay", "shared_gradient"]
 
@@ -38,7 +39,8 @@ class Replay:
     proven read (``reads``: ``{tag name: _reads.Read}``). The ``jit`` and ``checkpoint`` calls that
     hold such a place run inline, so that the tag sits at it; a ``lax.scan`` whose body holds a read
     runs as a scan again, its body replayed (the tag's values stack one per step): the one walk
-    (``_walker``) over arrays. The tags of a layer's
+    (``_walker``) over arrays; reads whose outputs add up are tagged once, on the sum, and the input
+    of a read of a scan's ``xs`` slice on that ``xs`` (``read_tags``). The tags of a layer's
     calls of another layout (``renamed``: ``{key: name}``, keyed as the places are) are bound under
     names of their own (``_groups``), in the bodies that hold them run the same way."""
 
@@ -51,6 +53,7 @@ class Replay:
     reads: dict
     scope: object = None  # the scope of the tags it adds (``_tag.scoped``): the pass's own
     renamed: dict = dataclasses.field(default_factory=dict)  # a tag equation's key -> its name here (``_groups``)
+    read_tags: ReadTags = ReadTags()  # the reads' tags put on their sum, or on a scan's xs (``_read_tags``)
 
     def __call__(self, leaves):
         at, inline = self._places
@@ -113,6 +116,14 @@ class _Replayer(Walker):
     def enter(self, eqn, ins: list, ctx: tuple) -> bool:
         return (*map(id, ctx), id(eqn)) in self.inline and super().enter(eqn, ins, ctx)
 
+    def before(self, eqn, ins: list, ctx: tuple):
+        """A scan whose body reads a slice of its ``xs``: the read's input tag on that ``xs`` (the whole array)."""
+        on_xs, key = self.replay.read_tags.on_xs, (*map(id, ctx), id(eqn))
+        for j in range(len(ins)):
+            for name in on_xs.get((*key, j), ()):
+                ins[j] = _tag(ins[j], name)
+        return None
+
     def equation(self, eqn, ins: list, ctx: tuple) -> list:
         replay, at, key = self.replay, self.at, (*map(id, ctx), id(eqn))
         met = [(i, at[(*key, i)]) for i in range(len(ins)) if (*key, i) in at]
@@ -125,15 +136,18 @@ class _Replayer(Walker):
             ((_, name),) = met
             return [_tag(bind_equation(eqn, ins)[0], name)]
         if ("read", *key) in at:  # a leaf read outside its layers: its operand and output
-            name = at[("read", *key)]
+            name, placed = at[("read", *key)], replay.read_tags
             other = replay.reads[name].other
-            if other is not None:
+            if other is not None and name not in placed.moved_inputs:
                 ins[other] = _tag(ins[other], name + INPUT_SUFFIX)
             (out,) = bind_equation(eqn, ins)
-            return [out if name in replay.shared_names else _tag(out, name)]  # shared: tagged where it meets the examples
+            # shared: tagged where it meets the examples; adding up with other reads: tagged on their sum
+            return [out if name in replay.shared_names or name in placed.sums else _tag(out, name)]
         for i, name in met:
             ins[i] = _tag(jnp.broadcast_to(ins[i], eqn.outvars[0].aval.shape), name)
-        return bind_equation(eqn, ins)
+        outs = bind_equation(eqn, ins)
+        summed = replay.read_tags.at_sums.get(key)
+        return outs if summed is None else [_tag(outs[0], summed)]
 
 
 def shared_gradient(ct, use, proof, batch: int):
