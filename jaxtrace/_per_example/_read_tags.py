@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .. import _compat, _equation_params, _higher_order
+from .. import _compat, _higher_order
+from .._walker import scan_operands
 from .._module_tags import INPUT_SUFFIX
 
 __all__ = ["ReadTags", "place_read_tags"]
@@ -83,14 +84,9 @@ def _body(jaxpr, ctx: tuple):
     if not ctx:
         return _compat.jaxpr_and_consts(jaxpr)[0]
     eqn = ctx[-1]
-    if not hasattr(eqn, "primitive"):
+    if not hasattr(eqn, "primitive") or _higher_order.kind(eqn) not in (_higher_order.SCAN, *_higher_order.CALL_LIKE):
         return None
-    kind = _higher_order.kind(eqn)
-    if kind == _higher_order.SCAN:
-        return _compat.jaxpr_and_consts(_equation_params.scan_params(eqn).body)[0]
-    if kind in _higher_order.CALL_LIKE:
-        return _compat.jaxpr_and_consts(_higher_order.body(eqn))[0]
-    return None
+    return _compat.jaxpr_and_consts(_higher_order.bodies(eqn)[0])[0]
 
 
 def _uses(body) -> dict:
@@ -134,7 +130,7 @@ def _xs_operand(read, body) -> Optional[int]:
     scan = read.ctx[-1]
     if _higher_order.kind(scan) != _higher_order.SCAN:
         return None
-    p = _equation_params.scan_params(scan)
+    consts, carry, xs = scan_operands(scan, body.invars)
     operand = read.eqn.invars[read.other]
-    j = next((j for j, v in enumerate(body.invars) if v is operand), None)
-    return j if j is not None and j >= p.num_consts + p.num_carry else None
+    j = next((j for j, v in enumerate(xs) if v is operand), None)
+    return None if j is None else len(consts) + len(carry) + j
