@@ -26,23 +26,21 @@ jax.config.update("jax_enable_x64", True)
 torch.set_num_threads(1)
 
 
-def _layer_pairs():
-    k = _keys(8, seed=9)
-    return {
-        "linear": (nn.Linear(3, 4), eqx.nn.Linear(3, 4, key=k[0]), (2, 3)),
-        "linear_nobias": (nn.Linear(3, 4, bias=False), eqx.nn.Linear(3, 4, use_bias=False, key=k[1]), (2, 3)),
-        "conv2d": (nn.Conv2d(2, 3, 3, padding=1), eqx.nn.Conv2d(2, 3, 3, padding=1, key=k[2]), (2, 2, 5, 5)),
-        "conv1d": (nn.Conv1d(2, 3, 2), eqx.nn.Conv1d(2, 3, 2, key=k[3]), (2, 2, 5)),
-        "layernorm": (nn.LayerNorm(4), eqx.nn.LayerNorm(4), (2, 4)),
-        "embedding": (nn.Embedding(6, 3), eqx.nn.Embedding(6, 3, key=k[4]), None),
-        "grucell": (nn.GRUCell(3, 4), eqx.nn.GRUCell(3, 4, key=k[5]), (2, 3)),
-    }
+_LAYER_PAIRS = {  # kind -> (torch layer, equinox layer from a key, input shape); built in the test, not at collection
+    "linear": lambda k: (nn.Linear(3, 4), eqx.nn.Linear(3, 4, key=k[0]), (2, 3)),
+    "linear_nobias": lambda k: (nn.Linear(3, 4, bias=False), eqx.nn.Linear(3, 4, use_bias=False, key=k[1]), (2, 3)),
+    "conv2d": lambda k: (nn.Conv2d(2, 3, 3, padding=1), eqx.nn.Conv2d(2, 3, 3, padding=1, key=k[2]), (2, 2, 5, 5)),
+    "conv1d": lambda k: (nn.Conv1d(2, 3, 2), eqx.nn.Conv1d(2, 3, 2, key=k[3]), (2, 2, 5)),
+    "layernorm": lambda k: (nn.LayerNorm(4), eqx.nn.LayerNorm(4), (2, 4)),
+    "embedding": lambda k: (nn.Embedding(6, 3), eqx.nn.Embedding(6, 3, key=k[4]), None),
+    "grucell": lambda k: (nn.GRUCell(3, 4), eqx.nn.GRUCell(3, 4, key=k[5]), (2, 3)),
+}
 
 
-@pytest.mark.parametrize("kind", list(_layer_pairs()))
+@pytest.mark.parametrize("kind", list(_LAYER_PAIRS))
 def test_load_weights_each_layer_gives_the_same_function(kind):
     torch.manual_seed(7)
-    tlayer, jlayer, shape = _layer_pairs()[kind]
+    tlayer, jlayer, shape = _LAYER_PAIRS[kind](_keys(8, seed=9))
     tlayer = tlayer.double()
     with torch.no_grad():
         for p in tlayer.parameters():
@@ -314,111 +312,118 @@ def _mha_call(mha, state, q, k, v):
     return jax.vmap(mha)(q, k, v)
 
 
-def _layer_cases():
+LAYER_CASES = (
+    "conv1d", "conv3d", "conv_transpose2d", "conv_transpose1d", "groupnorm", "embedding", "lstm_cell",
+    "gru_2layer_bidirectional", "lstm_2layer_bidirectional", "lstm_2layer", "multihead_attention",
+    "multihead_attention_kdim_vdim", "batchnorm2d_state",
+)
+
+
+def _layer_case(kind):
+    """``kind``'s torch layer, equinox layer, call, torch inputs and options; only that one is built (each
+    equinox layer's initialisation runs eagerly, op by op: building all of them took ~11 s on 3.11)."""
+    torch.manual_seed(5)
     k = _keys(12, seed=5)
     d = torch.float64
-    gru = [[eqx.nn.GRUCell(3, 4, key=k[0]), eqx.nn.GRUCell(3, 4, key=k[1])]]
-    gru.append([eqx.nn.GRUCell(8, 4, key=k[2]), eqx.nn.GRUCell(8, 4, key=k[3])])
-    lstm = [[eqx.nn.LSTMCell(3, 4, key=k[4]), eqx.nn.LSTMCell(3, 4, key=k[5])]]
-    lstm.append([eqx.nn.LSTMCell(8, 4, key=k[6]), eqx.nn.LSTMCell(8, 4, key=k[7])])
-    bn, bn_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="ema")
-    mha_t = lambda: nn.MultiheadAttention(8, 2, batch_first=True)  # noqa: E731
+    cells = lambda cell, n: [[cell(3, 4, key=k[n]), cell(3, 4, key=k[n + 1])], [cell(8, 4, key=k[n + 2]), cell(8, 4, key=k[n + 3])]]  # noqa: E731
+    bn = lambda: eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="ema")  # noqa: E731
     biases = {f"use_{n}_bias": True for n in ("query", "key", "value", "output")}  # torch's bias=True
-    return {
-        "conv1d": (
+    builders = {
+        "conv1d": lambda: (
             nn.Conv1d(2, 3, 3, stride=2, padding=1),
             eqx.nn.Conv1d(2, 3, 3, 2, 1, key=k[0]),
             _vmap,
             (torch.randn(2, 2, 7, dtype=d),),
             {},
         ),
-        "conv3d": (
+        "conv3d": lambda: (
             nn.Conv3d(2, 3, 2, padding=1),
             eqx.nn.Conv3d(2, 3, 2, padding=1, key=k[1]),
             _vmap,
             (torch.randn(2, 2, 3, 4, 3, dtype=d),),
             {},
         ),
-        "conv_transpose2d": (
+        "conv_transpose2d": lambda: (
             nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2, dilation=2),
             eqx.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2, dilation=2, key=k[2]),
             _vmap,
             (torch.randn(2, 4, 3, 4, dtype=d),),
             {},
         ),
-        "conv_transpose1d": (
+        "conv_transpose1d": lambda: (
             nn.ConvTranspose1d(2, 3, 4, stride=3),
             eqx.nn.ConvTranspose1d(2, 3, 4, 3, key=k[3]),
             _vmap,
             (torch.randn(2, 2, 5, dtype=d),),
             {},
         ),
-        "groupnorm": (nn.GroupNorm(2, 4), eqx.nn.GroupNorm(2, 4), _vmap, (torch.randn(3, 4, 5, dtype=d),), {}),
-        "embedding": (
+        "groupnorm": lambda: (nn.GroupNorm(2, 4), eqx.nn.GroupNorm(2, 4), _vmap, (torch.randn(3, 4, 5, dtype=d),), {}),
+        "embedding": lambda: (
             nn.Embedding(6, 3),
             eqx.nn.Embedding(6, 3, key=k[4]),
             lambda m, s, i: jax.vmap(jax.vmap(m))(i),
             (torch.tensor([[0, 5], [2, 2]]),),
             {},
         ),
-        "lstm_cell": (
+        "lstm_cell": lambda: (
             nn.LSTMCell(3, 4),
             eqx.nn.LSTMCell(3, 4, key=k[5]),
             lambda m, s, x, h, c: jax.vmap(m)(x, (h, c)),
             (torch.randn(2, 3, dtype=d), torch.randn(2, 4, dtype=d), torch.randn(2, 4, dtype=d)),
             {"tcall": lambda m, x, h, c: m(x, (h, c))},
         ),
-        "gru_2layer_bidirectional": (
+        "gru_2layer_bidirectional": lambda: (
             nn.GRU(3, 4, num_layers=2, bidirectional=True, batch_first=True),
-            gru,
+            cells(eqx.nn.GRUCell, 0),
             _rnn_call(False),
             (torch.randn(2, 5, 3, dtype=d),),
             {},
         ),
-        "lstm_2layer_bidirectional": (
+        "lstm_2layer_bidirectional": lambda: (
             nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True),
-            lstm,
+            cells(eqx.nn.LSTMCell, 4),
             _rnn_call(True),
             (torch.randn(2, 5, 3, dtype=d),),
             {},
         ),
-        "lstm_2layer": (
+        "lstm_2layer": lambda: (
             nn.LSTM(3, 4, num_layers=2, batch_first=True),
             [eqx.nn.LSTMCell(3, 4, key=k[8]), eqx.nn.LSTMCell(4, 4, key=k[9])],
             _rnn_call(True),
             (torch.randn(2, 5, 3, dtype=d),),
             {},
         ),
-        "multihead_attention": (
-            mha_t(),
+        "multihead_attention": lambda: (
+            nn.MultiheadAttention(8, 2, batch_first=True),
             eqx.nn.MultiheadAttention(2, 8, **biases, key=k[10]),
             _mha_call,
             (torch.randn(2, 4, 8, dtype=d),) * 3,
             {"tcall": lambda m, q, kk, v: m(q, kk, v, need_weights=False)[0]},
         ),
-        "multihead_attention_kdim_vdim": (
+        "multihead_attention_kdim_vdim": lambda: (
             nn.MultiheadAttention(8, 2, kdim=5, vdim=3, batch_first=True),
             eqx.nn.MultiheadAttention(2, 8, key_size=5, value_size=3, **biases, key=k[11]),
             _mha_call,
             (torch.randn(2, 4, 8, dtype=d), torch.randn(2, 6, 5, dtype=d), torch.randn(2, 6, 3, dtype=d)),
             {"tcall": lambda m, q, kk, v: m(q, kk, v, need_weights=False)[0]},
         ),
-        "batchnorm2d_state": (
+        "batchnorm2d_state": lambda: (
             nn.BatchNorm2d(3),
-            bn,
+            bn()[0],
             _bn_call,
             (torch.randn(4, 3, 2, 2, dtype=d),),
-            {"state": bn_state},
+            {"state": bn()[1]},
         ),
     }
+    return builders[kind]()
 
 
 @pytest.mark.parametrize(
     "kind",  # the two-layer bidirectional RNNs take ~10 s each on 2 cores: with --long
-    [pytest.param(k, marks=pytest.mark.slow) if k.endswith("2layer_bidirectional") else k for k in _layer_cases()],
+    [pytest.param(k, marks=pytest.mark.slow) if k.endswith("2layer_bidirectional") else k for k in LAYER_CASES],
 )
 def test_load_weights_layer_parity_forward_and_backward(kind):
-    tlayer, jlayer, jcall, targs, extra = _layer_cases()[kind]
+    tlayer, jlayer, jcall, targs, extra = _layer_case(kind)
     if kind.startswith("batchnorm"):
         with torch.no_grad():
             tlayer.running_mean.uniform_(-1, 1)
