@@ -35,7 +35,7 @@ import jax
 
 from . import _compat, _equation_params, _higher_order
 
-__all__ = ["Walker", "into_bodies", "loop_depth", "nesting", "scan_operands", "scan_results"]
+__all__ = ["Walker", "into_bodies", "loop_depth", "nesting", "scan_operands", "scan_positions", "scan_results"]
 
 # The kinds a walk enters by default; an analysis lists fewer where it treats the others as a whole.
 _ENTERED = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.CUSTOM, _higher_order.COND, _higher_order.SCAN, _higher_order.WHILE})
@@ -44,7 +44,14 @@ _EVALUATED = frozenset({*_higher_order.CALL_LIKE, _higher_order.SCAN})  # what a
 
 def loop_depth(ctx: tuple) -> int:
     """How many ``lax.scan`` bodies hold a body of context ``ctx``."""
-    return sum(1 for e in ctx if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN)
+    return len(scan_positions(ctx))
+
+
+def scan_positions(ctx: tuple) -> list[int]:
+    """Where the ``lax.scan`` equations sit in context ``ctx``, outermost first (a ``cond`` branch in a
+    context is a jaxpr, not an equation): ``ctx[: scan_positions(ctx)[level] + 1]`` is the context down
+    to the scan of loop level ``level``."""
+    return [i for i, e in enumerate(ctx) if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN]
 
 
 def nesting(eqn) -> tuple:

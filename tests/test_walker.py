@@ -17,7 +17,7 @@ import pytest
 
 from jaxtrace import _compat, _higher_order
 from jaxtrace._fused_runs import bind_equation
-from jaxtrace._walker import Walker, into_bodies, loop_depth
+from jaxtrace._walker import Walker, into_bodies, loop_depth, scan_positions
 
 
 class Deps(Walker):
@@ -104,6 +104,26 @@ def test_nested_scans_are_walked_with_their_depth():
 
     assert masks(Depths(), f, jnp.ones((2, 3))) == [1, 1]
     assert max(depths) == 2
+
+
+def test_scan_positions_skip_calls_and_branches_in_a_context():
+    contexts = set()
+
+    class Contexts(Deps):
+        def record(self, ctx, var, value):
+            contexts.add(ctx)
+
+    def f(p, xs):
+        inner = jax.jit(lambda row: jax.lax.scan(lambda c, x: (c + x, c), 0.0, row)[0])
+        branch = lambda row: jax.lax.cond(p > 0, inner, jnp.sum, row)  # noqa: E731
+        return jax.lax.scan(lambda c, row: (c + branch(row), c), 0.0, xs)
+
+    masks(Contexts(), f, 1.0, jnp.ones((2, 3)))
+    deepest = max(contexts, key=len)
+    kinds = [_higher_order.kind(e) if hasattr(e, "primitive") else "branch" for e in deepest]
+    assert kinds == ["scan", "cond", "branch", "call", "scan"]
+    assert scan_positions(deepest) == [0, 4] and loop_depth(deepest) == 2
+    assert scan_positions(()) == [] and scan_positions(deepest[:4]) == [0]
 
 
 def test_backward_through_a_scan_a_branch_and_a_call():
