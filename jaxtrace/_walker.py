@@ -35,7 +35,19 @@ import jax
 
 from . import _compat, _equation_params, _higher_order
 
-__all__ = ["Walker", "into_bodies", "loop_depth", "nesting", "scan_operands", "scan_results"]
+__all__ = [
+    "Walker",
+    "bodies_along",
+    "body_of",
+    "into_bodies",
+    "into_body",
+    "loop_depth",
+    "nesting",
+    "results_of",
+    "scan_operands",
+    "scan_positions",
+    "scan_results",
+]
 
 # The kinds a walk enters by default; an analysis lists fewer where it treats the others as a whole.
 _ENTERED = frozenset({_higher_order.CALL, _higher_order.REMAT, _higher_order.CUSTOM, _higher_order.COND, _higher_order.SCAN, _higher_order.WHILE})
@@ -44,7 +56,14 @@ _EVALUATED = frozenset({*_higher_order.CALL_LIKE, _higher_order.SCAN})  # what a
 
 def loop_depth(ctx: tuple) -> int:
     """How many ``lax.scan`` bodies hold a body of context ``ctx``."""
-    return sum(1 for e in ctx if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN)
+    return len(scan_positions(ctx))
+
+
+def scan_positions(ctx: tuple) -> list[int]:
+    """Where the ``lax.scan`` equations sit in context ``ctx``, outermost first (a ``cond`` branch in a
+    context is a jaxpr, not an equation): ``ctx[: scan_positions(ctx)[level] + 1]`` is the context down
+    to the scan of loop level ``level``."""
+    return [i for i, e in enumerate(ctx) if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN]
 
 
 def nesting(eqn) -> tuple:
@@ -88,14 +107,47 @@ def into_bodies(jaxpr, var):
         if kind == _higher_order.SCAN:
             consts, carry = _counts(eqn)
             role = "const" if k < consts else "carry" if k < consts + carry else "xs"
-            body = _equation_params.scan_params(eqn).body
         elif kind in _higher_order.CALL_LIKE:
-            role, body = "call", _higher_order.body(eqn)
+            role = "call"
         else:
             return
-        jaxpr = _compat.jaxpr_and_consts(body)[0]
+        jaxpr = body_of(eqn)
         var = jaxpr.invars[k]
         yield eqn, role, var
+
+
+def body_of(eqn):
+    """The jaxpr of the one body of a call (``jit``, ``checkpoint``, a custom derivative's primal body) or
+    a scan, opened: the body a walk enters with context ``(*ctx, eqn)``."""
+    kind = _higher_order.kind(eqn)
+    if kind == _higher_order.SCAN:
+        return _compat.jaxpr_and_consts(_equation_params.scan_params(eqn).body)[0]
+    if kind in _higher_order.CALL_LIKE:
+        return _compat.jaxpr_and_consts(_higher_order.body(eqn))[0]
+    raise ValueError(f"`{eqn.primitive.name}` has no one body a value enters as it is: only a call's or a scan's.")
+
+
+def into_body(eqn, var) -> tuple[Any, list]:
+    """``(the body of call or scan eqn (body_of), the invars of it that operand var becomes)``: one per
+    operand position ``var`` holds (a scan's body sees an ``xs`` operand's one step)."""
+    body = body_of(eqn)
+    return body, [body.invars[k] for k, a in enumerate(eqn.invars) if a is var]
+
+
+def results_of(eqn, body, var) -> list:
+    """The results of call or scan ``eqn`` that ``var`` of its body ``body`` (body_of) becomes: one per
+    output position ``var`` holds (a scan's carry out of its last step, or its stacked ``ys``)."""
+    return [eqn.outvars[k] for k, a in enumerate(body.outvars) if a is var]
+
+
+def bodies_along(jaxpr, ctx: tuple) -> tuple[Any, tuple]:
+    """A context of calls and scans (``ctx``, outermost first) followed down from ``jaxpr``, its top
+    level: ``(the body its innermost equation runs, (the jaxprs that hold each equation of ctx))``."""
+    outer = []
+    for eqn in ctx:
+        outer.append(jaxpr)
+        jaxpr = body_of(eqn)
+    return jaxpr, tuple(outer)
 
 
 class Walker:
@@ -108,7 +160,9 @@ class Walker:
     ``out_of_body`` (a value as it enters a loop body, leaves a loop's, or leaves any body),
     ``loop_ys`` and ``loop_operands`` (backward: a scan's outputs into its body, and its body's
     results out to its operands), ``record`` (every var's value, with its context). A rule reads
-    a scan's operands and results by role with ``scan_operands`` and ``scan_results``.
+    a scan's operands and results by role with ``scan_operands`` and ``scan_results``; an analysis
+    that follows one value reads bodies with ``body_of``, ``into_body``, ``results_of`` and
+    ``bodies_along``.
     """
 
     rules: ClassVar[dict[str, Callable]] = {}

@@ -17,7 +17,7 @@ import pytest
 
 from jaxtrace import _compat, _higher_order
 from jaxtrace._fused_runs import bind_equation
-from jaxtrace._walker import Walker, into_bodies, loop_depth
+from jaxtrace._walker import Walker, bodies_along, body_of, into_bodies, into_body, loop_depth, results_of, scan_positions
 
 
 class Deps(Walker):
@@ -106,6 +106,26 @@ def test_nested_scans_are_walked_with_their_depth():
     assert max(depths) == 2
 
 
+def test_scan_positions_skip_calls_and_branches_in_a_context():
+    contexts = set()
+
+    class Contexts(Deps):
+        def record(self, ctx, var, value):
+            contexts.add(ctx)
+
+    def f(p, xs):
+        inner = jax.jit(lambda row: jax.lax.scan(lambda c, x: (c + x, c), 0.0, row)[0])
+        branch = lambda row: jax.lax.cond(p > 0, inner, jnp.sum, row)  # noqa: E731
+        return jax.lax.scan(lambda c, row: (c + branch(row), c), 0.0, xs)
+
+    masks(Contexts(), f, 1.0, jnp.ones((2, 3)))
+    deepest = max(contexts, key=len)
+    kinds = [_higher_order.kind(e) if hasattr(e, "primitive") else "branch" for e in deepest]
+    assert kinds == ["scan", "cond", "branch", "call", "scan"]
+    assert scan_positions(deepest) == [0, 4] and loop_depth(deepest) == 2
+    assert scan_positions(()) == [] and scan_positions(deepest[:4]) == [0]
+
+
 def test_backward_through_a_scan_a_branch_and_a_call():
     """Which outputs each input reaches, read from the outputs back."""
 
@@ -181,3 +201,25 @@ def test_into_bodies_follows_one_use_into_scans_and_calls():
     assert roles(lambda v: jax.lax.scan(lambda c, _: (c * 2.0, None), v, None, length=2)[0], 1.0) == [(scan, "carry", ())]
     assert roles(lambda w, xs: jax.lax.scan(lambda c, x: (c + x, None), w, xs)[0] + w, 0.0, jnp.ones(3)) == []  # two uses
     assert roles(lambda w: (w, jax.jit(jnp.sin)(w)), 1.0) == []  # also an output
+
+
+def test_into_body_results_of_and_bodies_along_map_vars_across_a_call_and_a_scan():
+    """A var into a ``jit`` body (once per operand position it holds) and a body output back out to the
+    call's results; a context of a scan and the ``jit`` in its body followed down to the innermost body."""
+    def f(x, xs):
+        g = jax.jit(lambda a, b: ((ab := a * b), ab, b))  # one var, two outputs
+        return g(x, x), jax.lax.scan(lambda c, r: (c, g(r, c)[0]), x, xs)[1]
+
+    jaxpr = jax.make_jaxpr(f)(1.0, jnp.ones(3)).jaxpr
+    call, scan = jaxpr.eqns[0], jaxpr.eqns[1]
+    body, inners = into_body(call, jaxpr.invars[0])
+    assert inners == list(body.invars)  # x is both operands
+    product = body.eqns[0].outvars[0]
+    assert results_of(call, body, product) == call.outvars[:2] and results_of(call, body, body.invars[1]) == [call.outvars[2]]
+    assert into_body(scan, jaxpr.invars[1])[1] == [body_of(scan).invars[-1]]  # xs: the body's one step
+    inner_call = next(e for e in body_of(scan).eqns if _higher_order.kind(e) == _higher_order.CALL)
+    innermost, outer = bodies_along(jaxpr, (scan, inner_call))
+    assert outer == (jaxpr, body_of(scan)) and innermost is body_of(inner_call)
+    assert bodies_along(jaxpr, ()) == (jaxpr, ())
+    with pytest.raises(ValueError, match="only a call's or a scan's"):
+        body_of(jax.make_jaxpr(jnp.sin)(1.0).jaxpr.eqns[0])

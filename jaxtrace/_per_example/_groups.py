@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from .. import _compat, _higher_order
 from .._module_tags import INPUT_SUFFIX
+from .._walker import scan_positions
 from ._owners import Step
 
 __all__ = ["Group", "call_groups"]
@@ -88,7 +89,7 @@ def _over_examples(occ) -> Optional[tuple]:
     """The equations around the call down to the scan whose steps are the examples (``Step``), or None."""
     if not isinstance(occ.out, Step):
         return None
-    scans = [i for i, e in enumerate(occ.ctx) if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN]
+    scans = scan_positions(occ.ctx)
     return tuple(map(id, occ.ctx[: scans[occ.out.level] + 1]))
 
 

@@ -51,7 +51,7 @@ import dataclasses
 from types import MappingProxyType
 from typing import Mapping, Optional
 
-from .. import _higher_order
+from .._walker import scan_positions
 from ._owners import Axis, Step, axis_of, shape_of
 from ._proof_backward import Backward
 from ._proof_forward import Forward, Occurrence, Origin
@@ -85,7 +85,7 @@ class Proof:
             if occ.out is None:
                 continue
             if isinstance(occ.out, Step):
-                scans = [i for i, e in enumerate(occ.ctx) if hasattr(e, "primitive") and _higher_order.kind(e) == _higher_order.SCAN]
+                scans = scan_positions(occ.ctx)
                 found.add((occ.out.level, occ.out.inner, tuple(map(id, occ.ctx[: scans[occ.out.level] + 1]))))
                 continue
             if not isinstance(occ.out, Axis):

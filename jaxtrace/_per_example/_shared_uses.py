@@ -7,7 +7,8 @@ the examples' axis (a class token concatenated to each example's patches), or a 
 contracts it with one (``h @ pos.T``). ``SharedUses`` follows such a value from where it is made
 through its users (at the program's top level or in ``jit`` and ``checkpoint`` bodies, into and out
 of them; a meeting inside a loop or branch body is not listed, and the layer's leaves take the exact
-path), reading each use's ownership from the proof's backward walk (``_proof_backward``).
+path), reading each use's ownership from the proof's backward walk (``_proof_backward``); the
+walker maps a value into a body and back out (``into_body``, ``results_of``, ``bodies_along``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from .. import _compat, _higher_order
+from .. import _compat
+from .._walker import bodies_along, into_body, results_of, scan_positions
 from ._owners import ELEMENTWISE, OWNERS, SHAPE_ONLY, Axis, Every, axis_of, elementwise, shape_of
 from ._proof_backward import Backward, is_call
 
@@ -59,10 +61,7 @@ class SharedUses:
             if down is not None:
                 places.append((path, var, *down, ctx))
         for path, (eqns, var) in in_scans.items():  # in the body of the innermost of nested scans
-            outer = [jaxpr]
-            for eqn in eqns:
-                outer.append(_compat.jaxpr_and_consts(_higher_order.bodies(eqn)[0])[0])
-            places.append((path, var, outer.pop(), tuple(outer), tuple(eqns)))
+            places.append((path, var, *bodies_along(jaxpr, tuple(eqns)), tuple(eqns)))
         found = []
         for path, var, where, outer, ctx in places:
             state = self.backward.state.get((ctx, var))
@@ -85,24 +84,22 @@ class SharedUses:
         if var in outs:  # out of a jit or checkpoint body: on at the call's output; out of anything else: no
             if not ctx or len(outer) != len(ctx) or not is_call(ctx[-1]):
                 return None
-            for k, a in enumerate(jaxpr.outvars):
-                if a is var:
-                    more = self._meetings(outer[-1], ctx[-1].outvars[k], chain, ctx[:-1], outer[:-1])
-                    if more is None:
-                        return None
-                    found.extend(more)
+            for result in results_of(ctx[-1], jaxpr, var):
+                more = self._meetings(outer[-1], result, chain, ctx[:-1], outer[:-1])
+                if more is None:
+                    return None
+                found.extend(more)
         for eqn in users.get(var, []):
             if all(self.backward.state.get((ctx, v)) is None for v in eqn.outvars):
                 continue  # no output of this use reaches a loss
             name = eqn.primitive.name
             if is_call(eqn):  # follow it into the call's body
-                body, _ = _compat.jaxpr_and_consts(_higher_order.body(eqn))
-                for k, a in enumerate(eqn.invars):
-                    if a is var:
-                        more = self._meetings(body, body.invars[k], chain, (*ctx, eqn), (*outer, jaxpr))
-                        if more is None:
-                            return None
-                        found.extend(more)
+                body, inners = into_body(eqn, var)
+                for inner in inners:
+                    more = self._meetings(body, inner, chain, (*ctx, eqn), (*outer, jaxpr))
+                    if more is None:
+                        return None
+                    found.extend(more)
                 continue
             state = self.backward.state.get((ctx, eqn.outvars[0]))
             if len(eqn.outvars) != 1:
@@ -144,15 +141,10 @@ def _calls_down(jaxpr, ctx: tuple, scans: bool = False) -> Optional[tuple]:
     """``(the body ctx's innermost call runs, (the jaxprs that hold each call of ctx))`` where every
     equation of ``ctx`` is a ``jit`` or ``checkpoint`` call (or, with ``scans``, a ``lax.scan``); else
     None (a loop, a branch, a custom rule)."""
-    outer = []
-    for eqn in ctx:
-        scan = scans and hasattr(eqn, "primitive") and _higher_order.kind(eqn) == _higher_order.SCAN
-        if not (is_call(eqn) or scan):
-            return None
-        outer.append(jaxpr)
-        body = _higher_order.bodies(eqn)[0]  # (a call's, or a scan's)
-        jaxpr, _ = _compat.jaxpr_and_consts(body)
-    return jaxpr, tuple(outer)
+    loops = scan_positions(ctx) if scans else []
+    if not all(is_call(eqn) or i in loops for i, eqn in enumerate(ctx)):
+        return None
+    return bodies_along(jaxpr, ctx)
 
 
 def _users(jaxpr) -> tuple[dict, set]:
