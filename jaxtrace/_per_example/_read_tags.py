@@ -28,7 +28,7 @@ import dataclasses
 from typing import Optional
 
 from .. import _compat, _higher_order
-from .._walker import scan_operands
+from .._walker import body_of, scan_operands
 from .._module_tags import INPUT_SUFFIX
 
 __all__ = ["ReadTags", "place_read_tags"]
@@ -86,7 +86,7 @@ def _body(jaxpr, ctx: tuple):
     eqn = ctx[-1]
     if not hasattr(eqn, "primitive") or _higher_order.kind(eqn) not in (_higher_order.SCAN, *_higher_order.CALL_LIKE):
         return None
-    return _compat.jaxpr_and_consts(_higher_order.bodies(eqn)[0])[0]
+    return body_of(eqn)
 
 
 def _uses(body) -> dict:
