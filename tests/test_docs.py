@@ -94,9 +94,20 @@ def test_pages_have_blocks():
 LONG_PAGES = {"coming-from-transformerlens.md", "coming-from-captum.md", "coming-from-perturb.md", "training-statistics.md", "loss-paths.md"}
 
 
+TORCH_FAMILY = {"torch", "transformers", "transformer_lens", "captum"}  # on 3.11 only in .ci/run
+
+
+def _page_marks(page) -> list:
+    """``long`` for the longest pages; ``needs_torch`` for a page with a block that ``# requires:`` torch
+    or a peer built on it, so that ``--long-torch`` runs it where they are installed."""
+    required = {m.group(1) for _, code in python_blocks(page) for m in [REQUIRES.match(code)] if m}
+    needs = any(re.split(r"[<\s]", r.strip())[0] in TORCH_FAMILY for rs in required for r in rs.split(","))
+    return [pytest.mark.long] * (page.name in LONG_PAGES) + [pytest.mark.needs_torch] * needs
+
+
 @pytest.mark.parametrize(
     "page",
-    [pytest.param(p, marks=pytest.mark.long) if p.name in LONG_PAGES else p for p in PAGES if python_blocks(p)],
+    [pytest.param(p, marks=_page_marks(p)) for p in PAGES if python_blocks(p)],
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_page_code_blocks_run(page, monkeypatch, tmp_path):

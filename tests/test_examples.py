@@ -26,7 +26,10 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(EXAMPLES))
+TORCH_TWINS = {"guided_backprop.py", "loss_paths.py"}  # they also check a torch twin where torch is installed
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.needs_torch) if s in TORCH_TWINS else s for s in sorted(EXAMPLES)])
 def test_example_quick(script, tmp_path):
     run_example(script, tmp_path)
 
