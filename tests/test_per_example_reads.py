@@ -235,6 +235,25 @@ def test_four_reads_adding_up_in_a_scan_are_on_factors(jit, steps):
     check(losses, model, x, jit=jit)
 
 
+@pytest.mark.slow  # ~20 s on 2 cores (jacrev under vmap and grad)
+def test_four_reads_adding_up_under_vmap_grad_and_checkpoint():
+    """The reads' tag on their sum and the input tags on the scan's ``xs`` (``_read_tags``) with
+    ``jax.vmap`` over two parameter sets, ``jax.grad`` of the summed norms and ``jax.checkpoint`` around
+    the transform: the definition's values and gradients, float64."""
+    k = jax.random.split(KEYS[6], 5)
+    model = FourReads(*(0.5 * jax.random.normal(kk, (D, D)) for kk in k[:3]), 0.1 * jax.random.normal(k[3], (D,)))
+    x = jax.random.normal(k[4], (B, 4, D))
+    losses = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2, axis=(1, 2))  # noqa: E731
+    diff, static = eqx.partition(model, eqx.is_inexact_array)
+    two = jax.tree_util.tree_map(lambda a: jnp.stack([a, 0.8 * a]), diff)
+    norms = lambda d: jt.per_example_norms(losses, total=True, fallback="error")(eqx.combine(d, static), x)[1]  # noqa: E731
+    reference = lambda d: oracle_per_example(losses, eqx.combine(d, static), x).total  # noqa: E731
+    assert_close(jax.jit(jax.vmap(norms))(two), jax.vmap(reference)(two), "under jax.vmap", rtol=1e-10, atol=0)
+    ours, expected = jax.grad(lambda d: jnp.sum(norms(d)))(diff), jax.grad(lambda d: jnp.sum(reference(d)))(diff)
+    assert_close(ours, expected, "under jax.grad", rtol=1e-9, atol=1e-12)
+    assert_close(jax.checkpoint(norms)(diff), reference(diff), "under jax.checkpoint", rtol=1e-10, atol=0)
+
+
 @pytest.mark.slow  # ~15 s on 2 cores (jacrev under vmap and grad); the grammar's scan_reads class draws these too
 def test_stacked_reads_inside_vmap_jit_and_grad():
     """The stacked reads under ``jax.vmap`` over two parameter sets (jaxtrace in the body), and
