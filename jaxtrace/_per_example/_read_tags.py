@@ -58,11 +58,14 @@ def place_read_tags(jaxpr, reads: dict) -> ReadTags:
     tops: dict = {}  # key of the last add -> the reads below it
     on_xs: dict = {}
     moved = set()
+    uses_in: dict = {}  # id(body) -> (body, its uses): built once per body however many reads it holds
     for name, read in reads.items():
         body = _body(jaxpr, read.ctx)
         if body is None:
             continue
-        uses = _uses(body)
+        if id(body) not in uses_in:
+            uses_in[id(body)] = (body, _uses(body))  # the body kept: its id stays its own
+        uses = uses_in[id(body)][1]
         top = _last_sum(read.eqn.outvars[0], uses)
         if top is not None:
             tops.setdefault((*map(id, read.ctx), id(top)), []).append(name)
