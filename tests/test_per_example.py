@@ -344,6 +344,27 @@ def test_conv_called_twice_against_jacrev():
     check_on_factors(fun, conv, data(B, 2, 6, 6))
 
 
+@pytest.mark.parametrize("framework", ["eqx", "nnx"])
+@pytest.mark.parametrize("cin, blocks", [(3, 1), (8, 9)])
+def test_conv_blocks_one_per_offset_or_one_for_all_against_jacrev(framework, cin, blocks):
+    """Below ``FEW_CHANNELS`` input channels a call's G_i is one contraction over every kernel offset's
+    view side by side, from 8 one per offset (``ConvUse.per_offset``); both in the leaf's layout, OIHW
+    and NNX's HWIO, against the definition (the norms and the clipped sum, jit and eager)."""
+    from jaxtrace._per_example._conv import FEW_CHANNELS, ConvUse
+
+    if framework == "eqx":
+        model, call, x = to_dtype(eqx.nn.Conv2d(cin, 4, 3, stride=2, padding=1, key=KEY)), lambda m, x: jax.vmap(m)(x), data(B, cin, 7, 7)
+    else:
+        model, call, x = to_dtype(nnx.Conv(cin, 4, (3, 3), strides=2, padding="SAME", rngs=nnx.Rngs(0))), lambda m, x: m(x), data(B, 7, 7, cin)
+    use = ConvUse(jnp.zeros((B, 1, cin, 4, 4)), jnp.zeros((B, 1, 4, 2, 2)), (3, 3), (1, 1), ((0, 0), (0, 0)), (1, 1), (1, 1), False)
+    assert (cin < FEW_CHANNELS) == (blocks == 1) and len(use.per_offset(jnp.float64)) == blocks
+
+    def fun(m, x):
+        return jnp.sum(jnp.tanh(call(m, x)).reshape(x.shape[0], -1) ** 2, axis=1)
+
+    check_on_factors(fun, model, x)
+
+
 class EqxConvStack(eqx.Module):
     convs: eqx.nn.Conv2d  # three Conv2d stacked by eqx.filter_vmap, run with lax.scan
     calls: int = eqx.field(static=True, default=1)  # each step's conv applied once or twice
