@@ -139,12 +139,10 @@ class NormHistory:
         slot = self.count % self.size
         row = jnp.stack([jnp.asarray(leaf, self.sq_norms.dtype) for leaf in leaves], axis=-1) if leaves else self.sq_norms[0]
         step = self.count if step is None else jnp.asarray(step, jnp.int32)
+        put = lambda held, value: jax.lax.dynamic_update_index_in_dim(held, jnp.asarray(value, held.dtype), slot, 0)  # noqa: E731
+        # (``held.at[slot].set`` is a scatter: XLA:CPU checks its index and builds it, five small kernels more a step)
         return dataclasses.replace(
-            self,
-            steps=self.steps.at[slot].set(step),
-            losses=self.losses.at[slot].set(jnp.asarray(losses, self.losses.dtype)),
-            sq_norms=self.sq_norms.at[slot].set(row),
-            count=self.count + 1,
+            self, steps=put(self.steps, step), losses=put(self.losses, losses), sq_norms=put(self.sq_norms, row), count=self.count + 1
         )
 
     def report(self, step: Optional[int] = None, top: int = 3) -> "SpikeReport":
