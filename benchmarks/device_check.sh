@@ -2,7 +2,7 @@
 # The accelerator check: a part of the suite and the benchmarks on whatever JAX sees (GPU, TPU or
 # CPU), on a machine that reaches no package index. It installs nothing and builds nothing.
 #
-#   bash benchmarks/device_check.sh                          # every part, 8 minutes at most
+#   bash benchmarks/device_check.sh                          # every part, 9 minutes at most
 #   TESTS="tests/test_grad.py" bash benchmarks/device_check.sh   # another part of the suite
 #   PARTS="versions tests" bash benchmarks/device_check.sh       # some parts only
 #   LOGS=/some/dir bash benchmarks/device_check.sh               # where the logs go
@@ -18,13 +18,15 @@
 #   peers      [150]  benchmarks/per_example_peers.py: GPU sizes on a GPU, --quick elsewhere
 #   stats      [40]   benchmarks/stats_step.py, a few rounds
 #   nonfinite  [60]   benchmarks/nonfinite_peers.py, a few rounds, a process per program
+#   spike      [60]   benchmarks/spike_history.py, a few rounds: the NormHistory step against the plain
+#                     step (issue 52's 1.02x; no GPU figure yet)
 #
 # It prints each part's status and the end of its log, and exits 0 when every part it ran did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-versions tests run peers stats nonfinite}
+PARTS=${PARTS:-versions tests run peers stats nonfinite spike}
 LOGS=${LOGS:-$ROOT/benchmarks/results/device-check-$(date +%Y%m%d-%H%M%S)}
 TESTS=${TESTS:-tests/test_grad.py tests/test_transforms.py tests/test_cost.py tests/test_stats.py tests/test_nonfinite.py tests/test_per_example.py tests/test_device_check.py}
 mkdir -p "$LOGS"
@@ -92,9 +94,13 @@ part_nonfinite() {  # a process per program: a peer that aborts the process (XLA
     return $rc
 }
 
+part_spike() {  # without the attention model (1.02x met on CPU; the longest to compile)
+    $PY benchmarks/spike_history.py --rounds 5 --models guide,mlp,rnn,cnn
+}
+
 limit_of() {
     case $1 in
-        versions) echo 30 ;; tests) echo 120 ;; run) echo 80 ;; peers) echo 150 ;; stats) echo 40 ;; nonfinite) echo 60 ;;
+        versions) echo 30 ;; tests) echo 120 ;; run) echo 80 ;; peers) echo 150 ;; stats) echo 40 ;; nonfinite) echo 60 ;; spike) echo 60 ;;
     esac
 }
 
@@ -103,7 +109,7 @@ SUMMARY=()
 START=$(date +%s)
 for part in $PARTS; do
     if ! declare -F "part_$part" >/dev/null; then
-        echo "device_check: there is no part '$part' (the parts: versions tests run peers stats nonfinite)" >&2
+        echo "device_check: there is no part '$part' (the parts: versions tests run peers stats nonfinite spike)" >&2
         exit 2
     fi
     limit=${LIMIT:-$(limit_of "$part")}
