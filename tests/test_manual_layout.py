@@ -133,3 +133,23 @@ def test_scan_slices_and_stacks_calls_inline_and_a_while_loop_unknown():
         "after_while": (None, None),
         "whole_after_while": ((), ()),
     }
+
+
+def test_a_tag_in_a_nested_shard_map_is_unknown_not_whole():
+    """A ``shard_map`` (manual over ``model``) inside a ``shard_map`` body (manual over ``data``): the walk
+    does not follow the inner body, so its tag's layout is unknown, not read as a value outside any
+    ``shard_map`` (which would name a shard's row as the batch's); the outer body's tag keeps its rows."""
+
+    def inner(h):
+        return jt.tag(h * 2.0, "inner")
+
+    def body(x):
+        h = jt.tag(x + 1.0, "outer")
+        mesh = jax.sharding.get_abstract_mesh()  # the outer body's (data manual): the inner call's must match
+        y = jax.shard_map(inner, mesh=mesh, in_specs=P(None, "model"), out_specs=P(None, "model"), axis_names={"model"}, check_vma=False)(h)
+        return lax.psum(jnp.sum(y), "data")
+
+    f = jax.shard_map(body, mesh=MESH, in_specs=P("data"), out_specs=P(), axis_names={"data"}, check_vma=False)
+    jaxpr = jax.make_jaxpr(f)(jax.ShapeDtypeStruct((16, 4), jnp.float32))
+    got = {key[0]: layout for key, (layout, _) in site_layouts(Program(jaxpr)).items()}
+    assert got == {"outer": (ROWS, ()), "inner": (None, None)}
