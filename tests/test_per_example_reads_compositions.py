@@ -108,6 +108,35 @@ def test_reads_adding_up_in_a_cell_under_checkpoint(reverse):
     check(model, x, jit=True)
 
 
+class Bidirectional(eqx.Module):
+    """One cell (three reads adding up, two of the ``xs`` slice) scanned forwards, in reverse, and again over the
+    product of the two: JAX traces the three scans to one body (the same jaxpr object), so each read's tags are
+    told apart by the scan that holds it, not by the body."""
+
+    a: jax.Array
+    b: jax.Array
+    c: jax.Array
+    unroll: int = eqx.field(static=True, default=1)
+
+    def __call__(self, x):
+        def cell(h, x_t):
+            h = jnp.tanh(x_t @ self.a + h @ self.b + x_t @ self.c.T)
+            return h, h
+
+        _, forwards = lax.scan(cell, jnp.zeros(D), x, unroll=self.unroll)
+        _, backwards = lax.scan(cell, jnp.zeros(D), x, reverse=True, unroll=self.unroll)
+        return forwards + lax.scan(cell, jnp.zeros(D), forwards * backwards)[1]
+
+
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_one_cell_scanned_forwards_in_reverse_and_again(unroll):
+    model, x = make(4)
+    model = Bidirectional(model.a, model.b, model.c, unroll)
+    tags, moved, n = placement(model, x)
+    assert len(tags) == 3 and None not in tags and n == 9 and moved == 6, (tags, moved, n)  # one tag per scan
+    check(model, x, jit=True)
+
+
 EAGER_LONG = pytest.param(False, marks=pytest.mark.long_eager)  # the eager variant with --long
 
 
