@@ -1,7 +1,7 @@
 """The reads' placement (``_per_example/_read_tags``) composed: in a ``lax.scan`` cell, matrix-product reads whose
 outputs add up share one tag on their sum, and a read of the scan's ``xs`` slice records ``xs`` itself. Here under
 ``jax.jvp``, inside ``jt.value_and_grad`` and ``jt.grad`` with the user's own tag in the cell, in reversed scans (one
-step and several) and a cell under ``jax.checkpoint``: each against the definition, row i of ``jax.jacrev`` of the losses vector, float64."""
+step and several), a cell under ``jax.checkpoint``, one cell in three scans and under ``jax.disable_jit``: each against the definition, row i of ``jax.jacrev`` of the losses vector, float64."""
 
 import equinox as eqx
 import jax
@@ -205,3 +205,19 @@ def test_jt_grad_around_the_clipped_sum_with_a_tag_in_a_reversed_cell():
     expected, expected_z = jax.grad(definition, argnums=(0, 1))(diff, jnp.zeros_like(x))
     assert_close(grads, expected, "the leaves' gradients", rtol=1e-9, atol=1e-12)
     assert_close(tag_grads["z"], jnp.swapaxes(expected_z, 0, 1), "the gradient at the user's tag", rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_reads_adding_up_under_disable_jit(reverse):
+    """``jax.disable_jit`` unrolls the scan in Python: each step's reads add up at the top level (one sum tag per step,
+    no ``xs`` left to record on). The first step reads the initial carry, zeros every example shares, so ``b``
+    takes the exact path there (``fallback="vmap"``); the numbers are the definition's."""
+    model, x = make(3, reverse=reverse)
+    ref = oracle_per_example(losses, model, x)
+    with jax.disable_jit():
+        tags, moved, n = placement(model, x)
+        sq = jt.per_example_norms(losses)(model, x)[1]
+        clipped = jt.clipped_grad(losses, C)(model, x)[1]
+    assert len(tags - {None}) == 3 and moved == 0 and n == 12, (tags, moved, n)
+    assert_close(sq, ref.sq_norms, "per-leaf squared norms", rtol=1e-10, atol=1e-12)
+    assert_close(clipped, ref.clipped(C), "clipped sum", rtol=1e-10, atol=1e-12)
