@@ -1,7 +1,8 @@
 """The reads' placement (``_per_example/_read_tags``) composed: in a ``lax.scan`` cell, matrix-product reads whose
 outputs add up share one tag on their sum, and a read of the scan's ``xs`` slice records ``xs`` itself. Here under
 ``jax.jvp``, inside ``jt.value_and_grad`` and ``jt.grad`` with the user's own tag in the cell, in reversed scans (one
-step and several), a cell under ``jax.checkpoint``, one cell in three scans and under ``jax.disable_jit``: each against the definition, row i of ``jax.jacrev`` of the losses vector, float64."""
+step and several), a cell under ``jax.checkpoint``, one cell in three scans and under ``jax.disable_jit``: each against
+the definition, row i of ``jax.jacrev`` of the losses vector, float64."""
 
 import equinox as eqx
 import jax
