@@ -222,3 +222,21 @@ def test_reads_adding_up_under_disable_jit(reverse):
     assert len(tags - {None}) == 3 and moved == 0 and n == 12, (tags, moved, n)
     assert_close(sq, ref.sq_norms, "per-leaf squared norms", rtol=1e-10, atol=1e-12)
     assert_close(clipped, ref.clipped(C), "clipped sum", rtol=1e-10, atol=1e-12)
+
+
+def test_the_transforms_in_a_scan_over_microbatches():
+    """Gradient accumulation: ``per_example_norms`` and ``clipped_grad`` in the body of a ``lax.scan`` over two
+    microbatches, the model's cell a reversed scan whose reads add up: each microbatch's norms, and the clipped
+    sums added up, are the definition's."""
+    model, _ = make(3, reverse=True)
+    xs = jax.random.normal(KEYS[3], (2, B, 3, D))
+
+    def body(acc, x):
+        sq = jt.per_example_norms(losses, total=True, fallback="error")(model, x)[1]
+        return jax.tree.map(jnp.add, acc, jt.clipped_grad(losses, C, fallback="error")(model, x)[1]), sq
+
+    zeros = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+    summed, sq = eqx.filter_jit(lambda xs: lax.scan(body, zeros, xs))(xs)
+    refs = [oracle_per_example(losses, model, x) for x in xs]
+    assert_close(sq, jnp.stack([r.total for r in refs]), "each microbatch's norms", rtol=1e-10, atol=1e-12)
+    assert_close(summed, jax.tree.map(jnp.add, *(r.clipped(C) for r in refs)), "the clipped sums added up", rtol=1e-10, atol=1e-12)
