@@ -43,10 +43,12 @@ __all__ = [
     "into_body",
     "loop_depth",
     "nesting",
+    "operand_role",
     "results_of",
     "scan_operands",
     "scan_positions",
     "scan_results",
+    "uses_of",
 ]
 
 # The kinds a walk enters by default; an analysis lists fewer where it treats the others as a whole.
@@ -91,25 +93,44 @@ def scan_results(eqn, seq: Sequence) -> tuple[list, list]:
     return list(seq[:c]), list(seq[c:])
 
 
+def uses_of(jaxpr) -> dict:
+    """``{id(var): [(equation, operand index), ...]}``: where ``jaxpr``'s equations read each var, in order,
+    a use as its ``k``-th output ``(None, k)``; literals left out. Build it once per body and look up."""
+    found: dict = {}
+    for eqn in jaxpr.eqns:
+        for k, a in enumerate(eqn.invars):
+            if not isinstance(a, _compat.Literal):
+                found.setdefault(id(a), []).append((eqn, k))
+    for k, a in enumerate(jaxpr.outvars):
+        if not isinstance(a, _compat.Literal):
+            found.setdefault(id(a), []).append((None, k))
+    return found
+
+
+def operand_role(eqn, k: int) -> str | None:
+    """What operand ``k`` of ``eqn`` is to the body it enters: "const", "carry" or "xs" for a scan's, "call"
+    for a call's (``jit``, ``checkpoint``, a custom derivative's primal body); ``None`` for any other
+    equation's (a ``cond``'s, a ``while``'s: no one body it enters as it is)."""
+    kind = _higher_order.kind(eqn)
+    if kind == _higher_order.SCAN:
+        consts, carry = _counts(eqn)
+        return "const" if k < consts else "carry" if k < consts + carry else "xs"
+    return "call" if kind in _higher_order.CALL_LIKE else None
+
+
 def into_bodies(jaxpr, var):
     """``var``'s one use in ``jaxpr`` followed into the body of the call or scan it is an operand of, and
     that body's var's one use likewise, while each has exactly one (as one operand of one equation, and
     no output): ``(equation, role, the body's var)`` per body entered, outermost first; ``role`` is
-    "const", "carry" or "xs" for a scan's operand, "call" for a call's (``jit``, ``checkpoint``, a custom
-    derivative's primal body). Stops at a use of any other kind."""
+    ``operand_role``'s. Stops at a use of any other kind."""
     jaxpr = _compat.jaxpr_and_consts(jaxpr)[0]
     while True:
-        uses = [(eqn, k) for eqn in jaxpr.eqns for k, a in enumerate(eqn.invars) if a is var]
-        if len(uses) != 1 or any(a is var for a in jaxpr.outvars):
+        uses = uses_of(jaxpr).get(id(var), [])
+        if len(uses) != 1 or uses[0][0] is None:
             return
-        eqn, k = uses[0]
-        kind = _higher_order.kind(eqn)
-        if kind == _higher_order.SCAN:
-            consts, carry = _counts(eqn)
-            role = "const" if k < consts else "carry" if k < consts + carry else "xs"
-        elif kind in _higher_order.CALL_LIKE:
-            role = "call"
-        else:
+        ((eqn, k),) = uses
+        role = operand_role(eqn, k)
+        if role is None:
             return
         jaxpr = body_of(eqn)
         var = jaxpr.invars[k]

@@ -8,6 +8,7 @@ uncovered ones (a raw parameter added, multiplied or matmul'd; a custom module),
 *class*: how a DP-SGD user calls it (``jax.vmap(model)``, position ids ``arange(T)`` into an
 Embedding inside the model, a learned ``(T, d)`` table, a layer called twice or at two
 shapes, each example's loss in ``jax.lax.map`` over the batch, a ``lax.scan`` over a ``filter_vmap``-built stack or over raw stacked arrays,
+a recurrent cell of raw arrays whose reads add up and read the scan's ``xs`` slice (forwards, reversed, both),
 ``jax.checkpoint``/``filter_jit`` inside, tables read by indexing, ties, transformed weights, freezing with ``eqx.partition`` (a norm's scale or bias alone too),
 negative ids, mixed dtypes, batch layouts, custom derivative rules that mix the examples in their
 derivative alone or keep them apart, a batch of one or as wide as the features or the classes) or an
@@ -173,6 +174,16 @@ CLASSES = {
             "matmul", "einsum", "transposed", "jit", "reverse", "two_scans", "recurrent", "recurrent_bias", "bias",
             "nested_layers", "nested_time", "shared_rows", "stepped_rows", "fori",
         ),
+        factors=True,
+    ),
+    "scan_cell": Cls(
+        "a recurrent cell of raw arrays scanned along the positions, whose reads add up (one tag on their sum) and read "
+        "the scan's xs slice (recorded on xs): x_t @ a + h @ b + bias; four reads, b read twice (h @ b + h @ b.T), "
+        "forwards or in reverse; only the xs slice read, twice, in reverse; a GRU-like cell, two gates each a sum of "
+        "reads; the cell under jax.checkpoint in a reversed scan; one cell scanned forwards and in reverse, summed "
+        "(one body, two scans); or each layer of a (L, d, d) stack running its recurrence, reversed, in a scan over "
+        "the stack (x_t @ w_l + h @ b)",
+        variants=("rnn", "four", "reverse", "xs_only", "gated", "remat", "bidirectional", "stacked"),
         factors=True,
     ),
     "negative_ids": Cls("Embedding ids in [-V, V), with -1 and V-1 in one example", inputs=("embed",)),
@@ -870,6 +881,49 @@ def b_scan_reads(kit, p):
     return standard(kit, p, {k: kit.param(v) for k, v in extra.items()}, middle)
 
 
+def _along_positions(h, cell, reverse=False):
+    """``cell(carry, x_t)`` scanned along the positions axis (-2) of ``h``, eqx's (T, d) or NNX's (B, T, d), its
+    outputs stacked back there: ``x_t`` is the scan's ``xs`` slice."""
+    c0 = jnp.zeros(h.shape[:-2] + h.shape[-1:], h.dtype)
+    return jnp.moveaxis(lax.scan(lambda c, x: (cell(c, x),) * 2, c0, jnp.moveaxis(h, -2, 0), reverse=reverse)[1], 0, -2)
+
+
+def b_scan_cell(kit, p):
+    p, v = dataclasses.replace(p, raw=False), p.variant
+    n = 2 + p.seed % 2  # the stack's layers
+
+    def middle(parts, h):
+        a, b, c, u, bias, stack = (kit.val(parts[k]) if k in parts else None for k in ("a", "b", "c", "u", "bias", "stack"))
+        four = lambda h, x: jnp.tanh(x @ a + h @ b + h @ b.T + x @ c.T + bias)  # noqa: E731
+        if v == "rnn":
+            return _along_positions(h, lambda h, x: jnp.tanh(x @ a + h @ b + bias))
+        if v in ("four", "reverse"):
+            return _along_positions(h, four, reverse=v == "reverse")
+        if v == "xs_only":  # the carry enters elementwise: the two reads both of the xs slice
+            return _along_positions(h, lambda h, x: jnp.tanh(x @ a + x @ c.T + bias) * (0.5 + 0.5 * h), reverse=True)
+        if v == "gated":  # two gates, each a sum of reads of x_t and of the carry
+            def gru(h, x):
+                z = jax.nn.sigmoid(x @ a + h @ b + bias)
+                return (1 - z) * h + z * jnp.tanh(x @ c + h @ u)
+
+            return _along_positions(h, gru)
+        if v == "remat":
+            return _along_positions(h, jax.checkpoint(four), reverse=True)
+        if v == "bidirectional":  # one cell, no bias (a bias used by two scans takes the exact path)
+            cell = lambda h, x: jnp.tanh(x @ a + h @ b + x @ c.T)  # noqa: E731
+            return _along_positions(h, cell) + _along_positions(h, cell, reverse=True)
+        # "stacked": each layer's recurrence over the positions, reversed, in a scan over the stack
+        layer = lambda h, w: (_along_positions(h, lambda g, x: jnp.tanh(x @ w + g @ b), reverse=True), None)  # noqa: E731
+        return lax.scan(layer, h, stack)[0]
+
+    extra = {k: kit.normal(p.d, p.d) for k in ("a", "b", "c", "u")} | {"bias": kit.normal(p.d), "stack": kit.normal(n, p.d, p.d)}
+    used = {  # each variant's leaves: a leaf the program does not use has no gradient to check
+        "rnn": "a b bias", "four": "a b c bias", "reverse": "a b c bias", "xs_only": "a c bias", "gated": "a b c u bias",
+        "remat": "a b c bias", "bidirectional": "a b c", "stacked": "b stack",
+    }[v].split()
+    return standard(kit, p, {k: kit.param(extra[k]) for k in used}, middle)
+
+
 def b_negative_ids(kit, p):
     built = b_batched(kit, p)
     ids = jax.random.randint(kit.key(), (p.B, p.T), -V, V)
@@ -1216,6 +1270,29 @@ def test_class(cls):
     run()
 
 
+# scan_cell's variants: (sum tags, reads whose input is recorded on xs, a reversed scan) as the pass places them
+SCAN_CELL_PLACES = {
+    "rnn": (1, 1, False), "four": (1, 2, False), "reverse": (1, 2, True), "xs_only": (1, 2, True), "gated": (2, 2, False),
+    "remat": (1, 0, True), "bidirectional": (2, 4, True), "stacked": (1, 1, True),
+}
+
+
+@pytest.mark.parametrize("fw", ["eqx", "nnx"])
+def test_scan_cell_draws_reads_adding_up_and_xs_reads(fw):
+    """The scan_cell class draws what it is for: each variant's reads share tags on their sums, record inputs on the
+    scan's xs and run in a reversed scan as ``SCAN_CELL_PLACES`` says (the trace alone, no numbers)."""
+    from jaxtrace._per_example._pass import Call
+
+    assert set(SCAN_CELL_PLACES) == set(CLASSES["scan_cell"].variants)
+    for variant, (sums, moved, reverse) in SCAN_CELL_PLACES.items():
+        built = build(Prog("scan_cell", fw, variant, "linear", (), 2, 3, 2, 5))
+        found = []
+        trace = lambda m, *a: found.append(Call(built.fun, 0, "error", False, (m, *a), {}).contributions)  # noqa: E731
+        text = str(jax.make_jaxpr(trace)(built.model, *built.args))
+        got = (len({r.grad_tag for r in found[0].reads if r.grad_tag}), len(found[0].read_tags.moved_inputs), "reverse=True" in text)
+        assert got == (sums, moved, reverse), (variant, got)
+
+
 @pytest.mark.parametrize("entry", sorted(e for e in KNOWN_FAILING if ":" in e) or [None])
 def test_known_failing_variant(entry):
     """One skip per variant left out of the draws above (whole classes skip in test_class)."""
@@ -1225,7 +1302,7 @@ def test_known_failing_variant(entry):
 
 
 COMPOSE_BASE = (
-    "batched", "uncovered_array", "custom_module", "repeated", "position_ids", "indexed_table", "scan_reads",
+    "batched", "uncovered_array", "custom_module", "repeated", "position_ids", "indexed_table", "scan_reads", "scan_cell",
     "custom_rule_mixing", "custom_rule_per_example",
 )
 # Each composition's first draw (the quick profile's only one): the custom-rule classes under jax.grad and

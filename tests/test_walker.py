@@ -17,7 +17,9 @@ import pytest
 
 from jaxtrace import _compat, _higher_order
 from jaxtrace._fused_runs import bind_equation
-from jaxtrace._walker import Walker, bodies_along, body_of, into_bodies, into_body, loop_depth, results_of, scan_positions
+from jaxtrace._walker import (
+    Walker, bodies_along, body_of, into_bodies, into_body, loop_depth, operand_role, results_of, scan_positions, uses_of,
+)
 
 
 class Deps(Walker):
@@ -201,6 +203,26 @@ def test_into_bodies_follows_one_use_into_scans_and_calls():
     assert roles(lambda v: jax.lax.scan(lambda c, _: (c * 2.0, None), v, None, length=2)[0], 1.0) == [(scan, "carry", ())]
     assert roles(lambda w, xs: jax.lax.scan(lambda c, x: (c + x, None), w, xs)[0] + w, 0.0, jnp.ones(3)) == []  # two uses
     assert roles(lambda w: (w, jax.jit(jnp.sin)(w)), 1.0) == []  # also an output
+
+
+def test_uses_of_and_operand_role():
+    """Where a body's equations read each var (an output as ``(None, k)``, literals left out), and what each
+    operand is to the body it enters: a scan's const, carry and xs, a call's, none for a ``cond``'s."""
+
+    def f(w, h, xs):
+        h, ys = jax.lax.scan(lambda c, x: (jnp.tanh(c * w + x), c), h, xs)
+        return jax.lax.cond(h > 0, jnp.sin, jnp.cos, h) + jax.jit(jnp.sin)(h), ys, h
+
+    jaxpr = jax.make_jaxpr(f)(2.0, 1.0, jnp.ones(3)).jaxpr
+    scan = jaxpr.eqns[0]
+    assert [operand_role(scan, k) for k in range(3)] == ["const", "carry", "xs"]
+    uses = uses_of(jaxpr)
+    h = scan.outvars[0]
+    assert [(e.primitive.name if e is not None else None, k) for e, k in uses[id(h)]] == [
+        (e.primitive.name, k) for e in jaxpr.eqns for k, a in enumerate(e.invars) if a is h
+    ] + [(None, 2)]
+    assert {operand_role(e, k) for e, k in uses[id(h)] if e is not None and e.primitive.name != "gt"} == {None, "call"}  # cond, jit
+    assert uses[id(scan.outvars[1])] == [(None, 1)] and uses[id(jaxpr.invars[2])] == [(scan, 2)]
 
 
 def test_into_body_results_of_and_bodies_along_map_vars_across_a_call_and_a_scan():

@@ -28,7 +28,7 @@ import dataclasses
 from typing import Optional
 
 from .. import _compat, _higher_order
-from .._walker import body_of, scan_operands
+from .._walker import body_of, operand_role, uses_of
 from .._module_tags import INPUT_SUFFIX
 
 __all__ = ["ReadTags", "place_read_tags"]
@@ -64,7 +64,7 @@ def place_read_tags(jaxpr, reads: dict) -> ReadTags:
         if body is None:
             continue
         if id(body) not in uses_in:
-            uses_in[id(body)] = (body, _uses(body))  # the body kept: its id stays its own
+            uses_in[id(body)] = (body, uses_of(body))  # the body kept: its id stays its own
         uses = uses_in[id(body)][1]
         top = _last_sum(read.eqn.outvars[0], uses)
         if top is not None:
@@ -92,28 +92,15 @@ def _body(jaxpr, ctx: tuple):
     return body_of(eqn)
 
 
-def _uses(body) -> dict:
-    """``{id(var): [equation using it, ...]}``; a use as an output of ``body`` is ``None``."""
-    found: dict = {}
-    for eqn in body.eqns:
-        for a in eqn.invars:
-            if not isinstance(a, _compat.Literal):
-                found.setdefault(id(a), []).append(eqn)
-    for a in body.outvars:
-        if not isinstance(a, _compat.Literal):
-            found.setdefault(id(a), []).append(None)
-    return found
-
-
 def _last_sum(var, uses: dict):
     """The last ``add`` of the chain ``var`` flows into, each value in it used by the next add alone and
     of the add's own shape and dtype (so that each one's gradient is the last sum's); ``None`` if none."""
     top = None
     while True:
         found = uses.get(id(var), [])
-        if len(found) != 1 or found[0] is None:
+        if len(found) != 1 or found[0][0] is None:
             return top
-        (eqn,) = found
+        ((eqn, _),) = found
         out = eqn.outvars[0]
         if (
             eqn.primitive.name != "add"
@@ -128,12 +115,8 @@ def _last_sum(var, uses: dict):
 def _xs_operand(read, body) -> Optional[int]:
     """The index among its scan's operands of the ``xs`` whose slice is ``read``'s recorded operand, where
     the read sits in that scan's body itself; else ``None``."""
-    if read.other is None or not read.ctx or not hasattr(read.ctx[-1], "primitive"):
+    if read.other is None or not read.ctx:
         return None
-    scan = read.ctx[-1]
-    if _higher_order.kind(scan) != _higher_order.SCAN:
-        return None
-    consts, carry, xs = scan_operands(scan, body.invars)
     operand = read.eqn.invars[read.other]
-    j = next((j for j, v in enumerate(xs) if v is operand), None)
-    return None if j is None else len(consts) + len(carry) + j
+    k = next((k for k, v in enumerate(body.invars) if v is operand), None)  # body_of(ctx[-1]): its operands' order
+    return k if k is not None and operand_role(read.ctx[-1], k) == "xs" else None
