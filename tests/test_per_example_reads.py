@@ -707,6 +707,31 @@ def test_shared_rows_read_in_a_scan_body_are_on_factors(read):
 
 
 
+@pytest.mark.parametrize("mode, steps", [("clip", [2, 0, 2]), ("fill", [2, 5, 0])])
+def test_a_row_gathered_by_a_start_index_per_axis_is_on_factors(mode, steps):
+    """``W[i]`` as JAX 0.12.1 writes it (a ``gather`` of one row at the index vector ``(i, 0, 0)``, no axis
+    collapsed; earlier releases wrote ``dynamic_slice``), spelled out here so that every release runs it: row
+    ``i`` against each example's gradient; with ``"fill"`` a start out of range (5 of 3 rows) drops the row
+    (zeros here: ``fill_value=0``), and gives it no gradient."""
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(0, 1, 2), collapsed_slice_dims=(), start_index_map=(0, 1, 2))
+
+    class Loop(eqx.Module):
+        w: jax.Array  # (L, D, D)
+
+        def __call__(self, x):
+            def layer(h, i):
+                start = jnp.stack([i, jnp.zeros_like(i), jnp.zeros_like(i)])
+                row = jax.lax.squeeze(jax.lax.gather(self.w, start, dims, (1, *self.w.shape[1:]), mode=mode, fill_value=0.0), (0,))
+                return jnp.tanh(h @ row + 0.1), None
+
+            return jax.lax.scan(layer, x, jnp.array(steps))[0]
+
+    k = jax.random.split(KEYS[5], 2)
+    model = Loop(0.5 * jax.random.normal(k[0], (3, D, D)))
+    x = jax.random.normal(k[1], (B, T, D))
+    check(lambda m, x: jnp.sum(jnp.sin(jax.vmap(m)(x)), axis=(1, 2)), model, x, jit=True)
+
+
 @pytest.mark.parametrize("loop", ["fori_loop", "scan_over_arange"])
 def test_stacked_layers_indexed_by_the_loop_counter_are_on_factors(loop):
     """``lax.fori_loop(0, L, lambda i, h: layer(w[i], b[i], h), h)``, the hand-written layer loop: each step's

@@ -670,7 +670,10 @@ def test_spike_recipe_names_the_outlier_example_and_layer():
     assert normal == hlo_work(plain_hlo)[0] and not any(op == "sort" for op, _ in normal)
     apart = hlo_work(forensics.lower(model, x, y).compile().compiled.as_text())[0]
     assert sum(n for (op, _), n in apart.items() if op == "sort") >= 1  # the medians
-    assert sum(n for (op, _), n in apart.items() if op != "sort") >= sum(normal.values())  # a forward and backward, and more
+    # a forward and a backward pass over the batch (products whose results have its rows), and more; not the
+    # batch's weight gradients, which the norms do not need (JAX 0.12.1's XLA leaves them out)
+    over_batch = lambda work: sum(n for (op, shape), n in work.items() if op != "sort" and shape.startswith(f"f64[{len(x)},"))  # noqa: E731
+    assert over_batch(apart) >= over_batch(normal) > 0, (apart, normal)
 
 
 def hlo_work(text: str):

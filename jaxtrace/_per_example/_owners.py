@@ -240,7 +240,7 @@ def _gather(an, eqn, outs, ctx):
     collapsed = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()))
     if j in offset:
         od = [d for d in range(len(operand)) if d not in collapsed][offset.index(j)]
-        if sizes[od] != operand[od] or od in dn.start_index_map:
+        if sizes[od] != operand[od]:  # an axis taken whole (its start, if any, clamped to 0 or the slice dropped)
             return None
         return [unit(operand, od, inner), Every(Reach.SHARED, eqn)]
     # an output batch dimension: an axis of the indices (their last axis holds the index vector)

@@ -280,7 +280,40 @@ def _gather_shared(read, ids, g, dtype) -> Optional[Use]:
     return _gather_factors(read, jnp.broadcast_to(ids, (g.shape[0], *ids.shape)), g, 0, 1, dtype)
 
 
-READS["gather"] = ReadRule(_gather_match, _gather_factors, _gather_shared)
+def _row_gather(eqn, shape) -> bool:
+    """``W[i]`` by a traced index as JAX 0.12.1 writes it: a gather of one row at a start index per axis
+    (the index vector ``(i, 0, ...)``, no axis collapsed), which earlier releases wrote as ``dynamic_slice``."""
+    d, n = eqn.params["dimension_numbers"], len(shape)
+    return (
+        not tuple(d.collapsed_slice_dims)
+        and tuple(d.start_index_map) == tuple(range(n))
+        and not tuple(getattr(d, "operand_batching_dims", ()))
+        and tuple(d.offset_dims) == tuple(range(n))
+        and tuple(eqn.params["slice_sizes"]) == (1, *shape[1:])
+        and tuple(eqn.invars[1].aval.shape) == (n,)
+    )
+
+
+def _any_gather_match(eqn, k, shape) -> bool:
+    return _gather_match(eqn, k, shape) or (k == 0 and len(shape) >= 1 and _row_gather(eqn, shape))
+
+
+def _any_gather_factors(read, ids, g, axis, inner, dtype) -> Optional[Use]:
+    return None if _row_gather(read.eqn, read.eqn.invars[0].aval.shape) else _gather_factors(read, ids, g, axis, inner, dtype)
+
+
+def _any_gather_shared(read, ids, g, dtype) -> Optional[Use]:
+    """Rows by ids every example shares (``table[jnp.arange(T)]``), or one row by a shared index (``W[i]``):
+    a gather out of range is clamped (``"clip"``, ``jnp``'s default for ``W[i]``) or dropped (``"fill"``)."""
+    if not _row_gather(read.eqn, read.eqn.invars[0].aval.shape):
+        return _gather_shared(read, ids, g, dtype)
+    if read.eqn.params.get("mode") == jax.lax.GatherScatterMode.FILL_OR_DROP:
+        room = jnp.asarray(read.eqn.invars[0].aval.shape) - jnp.asarray(read.eqn.params["slice_sizes"])
+        g = g * jnp.all((ids >= 0) & (ids <= room)).astype(g.dtype)  # a start out of range drops the row: no gradient
+    return _dynamic_slice_shared(read, ids[0], g, dtype)
+
+
+READS["gather"] = ReadRule(_any_gather_match, _any_gather_factors, _any_gather_shared)
 
 
 # --- slice: table[:T] ----------------------------------------------------------------------------
