@@ -7,7 +7,7 @@ such read is a layer of its own, with the same factors: a row gather is an embed
 against the output gradient), a product with the leaf contracted on its leading or trailing
 axes a linear layer (the other operand against the output gradient), a slice of rows an
 embedding of fixed ids, one row by a traced index (``self.w[i]`` in a ``lax.fori_loop`` over
-stacked layers) an embedding of one id every example shares. ``READS`` maps a primitive's name to its rule: whether an equation is such a
+stacked layers) an embedding of one id every example shares. ``READS`` maps a primitive's name to its rules (tried in order): whether an equation is such a
 read (``match``) and, from the other operand and the output gradient the pass records there,
 the leaf's factors (``factors``; ``shared`` where the read's output is shared by every
 example, as ``wpe.weight[:T]`` inside ``jax.vmap(model)`` is, and meets them later).
@@ -91,7 +91,11 @@ class ReadRule:
     transposable: bool = False  # it reads a matrix's transpose too (a product; rows of ``W.T`` are not rows)
 
 
-READS: dict[str, ReadRule] = {}
+READS: dict[str, tuple[ReadRule, ...]] = {}  # a primitive's rules, tried in order: the first that matches reads it
+
+
+def _register(name: str, rule: ReadRule) -> None:
+    READS[name] = (*READS.get(name, ()), rule)
 
 
 def find_reads(jaxpr, n_leaves: int, inputs: dict) -> list[Read]:
@@ -155,17 +159,15 @@ class _Finder(Walker):
                 leaf, t, loops = ins[0]
                 outs[0] = (leaf, t != flips, loops)
             return outs
-        rule = READS.get(name)
-        for k, x in enumerate(ins if rule is not None else ()):
-            if x is None:
-                continue
-            leaf, t, loops = x
-            if t and not rule.transposable:
-                continue
-            others = [y for j, y in enumerate(ins) if j != k]
-            if rule.match(eqn, k, tuple(eqn.invars[k].aval.shape)) and all(y is None for y in others):
-                self.found.append(Read(eqn, leaf, k, t, rule, ctx, loops))
-                break
+        for rule in READS.get(name, ()):
+            for k, x in enumerate(ins):
+                if x is None or (x[1] and not rule.transposable):
+                    continue
+                others = [y for j, y in enumerate(ins) if j != k]
+                if rule.match(eqn, k, tuple(eqn.invars[k].aval.shape)) and all(y is None for y in others):
+                    leaf, t, loops = x
+                    self.found.append(Read(eqn, leaf, k, t, rule, ctx, loops))
+                    return outs
         return outs
 
 
@@ -231,7 +233,7 @@ def _dot_factors(read, x, g, axis, inner, dtype) -> Optional[Use]:
     return Use(xb, gb, out="b") if leading else Use(gb, xb)
 
 
-READS["dot_general"] = ReadRule(_dot_match, _dot_factors, transposable=True)
+_register("dot_general", ReadRule(_dot_match, _dot_factors, transposable=True))
 
 
 # --- gather: table[ids] --------------------------------------------------------------------------
@@ -280,12 +282,17 @@ def _gather_shared(read, ids, g, dtype) -> Optional[Use]:
     return _gather_factors(read, jnp.broadcast_to(ids, (g.shape[0], *ids.shape)), g, 0, 1, dtype)
 
 
-def _row_gather(eqn, shape) -> bool:
+_register("gather", ReadRule(_gather_match, _gather_factors, _gather_shared))
+
+
+def _row_gather_match(eqn, k, shape) -> bool:
     """``W[i]`` by a traced index as JAX 0.12.1 writes it: a gather of one row at a start index per axis
     (the index vector ``(i, 0, ...)``, no axis collapsed), which earlier releases wrote as ``dynamic_slice``."""
     d, n = eqn.params["dimension_numbers"], len(shape)
     return (
-        not tuple(d.collapsed_slice_dims)
+        k == 0
+        and n >= 1
+        and not tuple(d.collapsed_slice_dims)
         and tuple(d.start_index_map) == tuple(range(n))
         and not tuple(getattr(d, "operand_batching_dims", ()))
         and tuple(d.offset_dims) == tuple(range(n))
@@ -294,26 +301,17 @@ def _row_gather(eqn, shape) -> bool:
     )
 
 
-def _any_gather_match(eqn, k, shape) -> bool:
-    return _gather_match(eqn, k, shape) or (k == 0 and len(shape) >= 1 and _row_gather(eqn, shape))
-
-
-def _any_gather_factors(read, ids, g, axis, inner, dtype) -> Optional[Use]:
-    return None if _row_gather(read.eqn, read.eqn.invars[0].aval.shape) else _gather_factors(read, ids, g, axis, inner, dtype)
-
-
-def _any_gather_shared(read, ids, g, dtype) -> Optional[Use]:
-    """Rows by ids every example shares (``table[jnp.arange(T)]``), or one row by a shared index (``W[i]``):
-    a gather out of range is clamped (``"clip"``, ``jnp``'s default for ``W[i]``) or dropped (``"fill"``)."""
-    if not _row_gather(read.eqn, read.eqn.invars[0].aval.shape):
-        return _gather_shared(read, ids, g, dtype)
+def _row_gather_shared(read, start, g, dtype) -> Optional[Use]:
+    """``dynamic_slice``'s row by a shared index, from the gather's index vector ``start``: clamped
+    (``"clip"``, ``jnp``'s mode for ``W[i]``), or under ``"fill"`` a start out of range drops the row, which
+    then has no gradient."""
     if read.eqn.params.get("mode") == jax.lax.GatherScatterMode.FILL_OR_DROP:
         room = jnp.asarray(read.eqn.invars[0].aval.shape) - jnp.asarray(read.eqn.params["slice_sizes"])
-        g = g * jnp.all((ids >= 0) & (ids <= room)).astype(g.dtype)  # a start out of range drops the row: no gradient
-    return _dynamic_slice_shared(read, ids[0], g, dtype)
+        g = g * jnp.all((start >= 0) & (start <= room)).astype(g.dtype)
+    return _dynamic_slice_shared(read, start[0], g, dtype)
 
 
-READS["gather"] = ReadRule(_any_gather_match, _any_gather_factors, _any_gather_shared)
+_register("gather", ReadRule(_row_gather_match, None, _row_gather_shared))
 
 
 # --- slice: table[:T] ----------------------------------------------------------------------------
@@ -337,7 +335,7 @@ def _slice_shared(read, _, g, dtype) -> Optional[Use]:
     return Use(Index(rows, size), g.reshape(b, n, -1).astype(dtype))
 
 
-READS["slice"] = ReadRule(_slice_match, None, _slice_shared)
+_register("slice", ReadRule(_slice_match, None, _slice_shared))
 
 
 # --- dynamic_slice: W[i] by a traced index (lax.fori_loop over stacked layers) ------------------------
@@ -358,4 +356,4 @@ def _dynamic_slice_shared(read, start, g, dtype) -> Optional[Use]:
     return Use(Index(rows, size), g.reshape(b, 1, -1).astype(dtype))
 
 
-READS["dynamic_slice"] = ReadRule(_dynamic_slice_match, None, _dynamic_slice_shared)
+_register("dynamic_slice", ReadRule(_dynamic_slice_match, None, _dynamic_slice_shared))
