@@ -365,6 +365,28 @@ def test_conv_blocks_one_per_offset_or_one_for_all_against_jacrev(framework, cin
     check_on_factors(fun, model, x)
 
 
+@pytest.mark.parametrize("cin", [3, 8])
+def test_conv_block_forms_under_vmap_grad_and_jvp(cin):
+    """Both block forms of ``ConvUse.per_offset`` (one contraction below ``FEW_CHANNELS``, one per offset
+    from it) with ``jax.vmap`` over two parameter sets, ``jax.grad`` of the summed norms and ``jax.jvp``
+    around ``per_example_norms``, against the same transforms of the definition (float64)."""
+    conv = to_dtype(eqx.nn.Conv2d(cin, 4, 3, stride=2, padding=1, key=KEY))
+    x = data(B, cin, 5, 5)
+    diff, static = eqx.partition(conv, eqx.is_inexact_array)
+
+    def losses(m, x):
+        return jnp.sum(jnp.tanh(jax.vmap(m)(x)).reshape(x.shape[0], -1) ** 2, axis=1)
+
+    norms = lambda d: jt.per_example_norms(losses, total=True, fallback="error")(eqx.combine(d, static), x)[1]  # noqa: E731
+    reference = lambda d: oracle_per_example(losses, eqx.combine(d, static), x).total  # noqa: E731
+    two = jax.tree_util.tree_map(lambda a: jnp.stack([a, 0.7 * a]), diff)
+    assert_close(jax.jit(jax.vmap(norms))(two), jax.vmap(reference)(two), "under jax.vmap", rtol=1e-10, atol=0)
+    assert_close(jax.grad(lambda d: jnp.sum(norms(d)))(diff), jax.grad(lambda d: jnp.sum(reference(d)))(diff), "under jax.grad", rtol=1e-9, atol=1e-12)
+    tangent = jax.tree_util.tree_map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), diff)
+    ours, expected = jax.jvp(norms, (diff,), (tangent,)), jax.jvp(reference, (diff,), (tangent,))
+    assert_close(ours, expected, "under jax.jvp", rtol=1e-9, atol=1e-12)
+
+
 class EqxConvStack(eqx.Module):
     convs: eqx.nn.Conv2d  # three Conv2d stacked by eqx.filter_vmap, run with lax.scan
     calls: int = eqx.field(static=True, default=1)  # each step's conv applied once or twice
